@@ -1,0 +1,132 @@
+"""Requests and their sampling parameters (CPU-side state only)."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop; names and defaults follow vLLM.
+
+    temperature == 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p == 1 and
+    min_p == 0 disable those filters. `logprobs` = number of top log-probabilities to return
+    per generated token (plus the sampled token's own).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(msg)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be an integer >= 1, got {self.n!r}.")
+        if self.temperature < 0:
+            bad(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable it.")
+        if self.top_k == 0 or self.top_k < -1:
+            if self.top_k != 0:
+                bad(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}.")
+            self.top_k = -1  # 0 also means "disabled", as in many clients
+        if not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad(f"max_tokens must be >= 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            bad(f"min_tokens must be >= 0, got {self.min_tokens}.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
+            bad(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}.")
+        if any(not s for s in self.stop):
+            bad("stop strings must be non-empty.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Request:
+    """One generation job. `all_token_ids` = prompt + output; the engine catches
+    `num_computed_tokens` up with it (there is no separate prefill/decode phase)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.time)
+    eos_token_ids: tuple[int, ...] = ()
+    max_tokens: int = 16  # resolved limit (max_model_len - prompt when params say None)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Layer-segmented prefill: layers [0, prefill_layer) of the current chunk are done.
+    prefill_layer: int = 0
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    # timings (seconds since the epoch) for metrics
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    # per output token: list of {token_id: (logprob, rank)}
+    logprobs: list[dict[int, tuple[float, int]]] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
