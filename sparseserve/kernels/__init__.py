@@ -1,0 +1,100 @@
+"""Kernels: leaves that take tensors and ints, never engine objects.
+
+Each kernel has a Triton implementation (``paged_decode``, ``page_summary``, ``page_scores``) and
+a pure-torch reference with the same contract in ``ref``. The functions here dispatch:
+
+* ``backend=None`` / ``"auto"``: Triton for CUDA tensors, the torch reference otherwise (the CPU
+  engine path; Triton's interpreter is far too slow to serve with).
+* ``"triton"``: always Triton (on CPU tensors this needs ``TRITON_INTERPRET=1`` set before
+  triton is first imported; tests/conftest.py does that).
+* ``"torch"``: always the reference.
+
+Triton modules are imported lazily, so importing this package never imports triton.
+All kernels run with fixed shapes and no host synchronisation (CUDA-graph capturable).
+"""
+from __future__ import annotations
+
+import os
+
+from . import ref
+
+__all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "resolve_backend",
+           "patch_triton_interpreter", "BACKENDS", "SCORE_MODES", "ref"]
+
+BACKENDS = ("auto", "triton", "torch")
+SCORE_MODES = ref.SCORE_MODES
+
+
+def patch_triton_interpreter() -> None:
+    """Make Triton's interpreter (TRITON_INTERPRET=1) work with NumPy >= 2.4.
+
+    Triton 3.6's interpreter converts scalars (1-element arrays) to Python ints with
+    ``int(array)``, which NumPy 2.4 rejects, so any loop with a run-time bound fails
+    (triton-lang/triton#9171, fixed upstream after 3.6). We re-register ``__index__`` with an
+    explicit element read. No-op outside interpreter mode; idempotent. Called by each Triton
+    kernel module at import.
+    """
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    from triton.runtime import interpreter as _interp
+
+    orig = getattr(_interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_sparseserve_fixed", False):
+        return
+
+    def _patch_lang_tensor(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _patch_lang_tensor._sparseserve_fixed = True
+    _interp._patch_lang_tensor = _patch_lang_tensor
+
+
+def resolve_backend(backend, tensor) -> str:
+    """'triton' or 'torch' for a kernel call whose main input is ``tensor``."""
+    if backend is None or backend == "auto":
+        return "triton" if tensor.is_cuda else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
+    return backend
+
+
+def paged_decode_attention(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale,
+                           out=None, *, backend=None, num_splits=None):
+    """Paged decode attention; see ``paged_decode.paged_decode_attention`` for the contract.
+
+    q [B, Hq, D], k_cache/v_cache [P, page_size, D], page_table [B, Hkv, W] int32,
+    num_pages [B, Hkv] int32, last_page_len [B] int32 -> out [B, Hq, D] (q's dtype).
+    ``num_splits`` (Triton only) overrides the split-K choice, which by default depends on W only.
+    """
+    if resolve_backend(backend, q) == "torch":
+        return ref.paged_decode_attention(q, k_cache, v_cache, page_table, num_pages,
+                                          last_page_len, scale, out)
+    from .paged_decode import paged_decode_attention as _triton
+    return _triton(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale, out,
+                   num_splits=num_splits)
+
+
+def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=None, *,
+                          backend=None) -> None:
+    """In-place page summaries; see ``page_summary.update_page_summaries``.
+
+    k_cache [P, page_size, D], page_ids [N] int32 (< 0 = skip), num_tokens [N] int32,
+    kmin/kmax/kradius [S, D].
+    """
+    if resolve_backend(backend, k_cache) == "torch":
+        return ref.update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius)
+    from .page_summary import update_page_summaries as _triton
+    return _triton(k_cache, page_ids, num_tokens, kmin, kmax, kradius)
+
+
+def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None, *, backend=None):
+    """Page scores from summaries; see ``page_scores.score_pages``.
+
+    q [B, Hq, D], kmin/kmax/kradius [S, D], page_table [B, Hkv, W] int32, num_pages [B, Hkv]
+    int32, mode "quest" | "arkvale" -> scores [B, Hkv, W] float32 (-inf past num_pages).
+    """
+    if resolve_backend(backend, q) == "torch":
+        return ref.score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out)
+    from .page_scores import score_pages as _triton
+    return _triton(q, kmin, kmax, kradius, page_table, num_pages, mode, out)

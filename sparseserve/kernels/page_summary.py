@@ -1,0 +1,80 @@
+"""Per-page key summaries for page-scoring sparse algorithms (Quest, ArkVale).
+
+One program per listed page: load the page's ``[page_size, D]`` key tile once, reduce the
+valid rows to per-channel min / max (and ArkVale's cuboid radius), write the summary row.
+Padding entries (page id < 0) write nothing. Fixed grid (N), no host synchronisation.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import patch_triton_interpreter
+
+patch_triton_interpreter()
+
+__all__ = ["update_page_summaries"]
+
+
+@triton.jit
+def _page_summary_kernel(
+    k_ptr, ids_ptr, ntok_ptr, kmin_ptr, kmax_ptr, krad_ptr,
+    stride_kp, stride_kt, stride_min, stride_max, stride_rad,
+    D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_RADIUS: tl.constexpr,
+):
+    i = tl.program_id(0)
+    page = tl.load(ids_ptr + i)
+    n = tl.load(ntok_ptr + i)
+    live = page >= 0
+    page = tl.maximum(page, 0).to(tl.int64)
+    offs_t = tl.arange(0, PAGE_SIZE)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = (offs_d < D) & live
+    t_ok = offs_t < n
+    mask = t_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + page * stride_kp + offs_t[:, None] * stride_kt + offs_d[None, :],
+                mask=mask, other=0.0).to(tl.float32)                        # [PAGE_SIZE, BLOCK_D]
+    mn = tl.min(tl.where(mask, k, float("inf")), axis=0)                    # [BLOCK_D]
+    mx = tl.max(tl.where(mask, k, float("-inf")), axis=0)                   # [BLOCK_D]
+    tl.store(kmin_ptr + page * stride_min + offs_d, mn.to(kmin_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(kmax_ptr + page * stride_max + offs_d, mx.to(kmax_ptr.dtype.element_ty), mask=d_ok)
+    if HAS_RADIUS:
+        c = (tl.where(d_ok, mn, 0.0) + tl.where(d_ok, mx, 0.0)) * 0.5   # dead rows: no inf - inf
+        dev = tl.where(mask, tl.abs(c[None, :] - k), 0.0)
+        r = tl.sum(dev, axis=0) / tl.maximum(n, 1).to(tl.float32)
+        tl.store(krad_ptr + page * stride_rad + offs_d, r.to(krad_ptr.dtype.element_ty), mask=d_ok)
+
+
+def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=None) -> None:
+    """(Re)compute per-page key summaries in place.
+
+    Args:
+        k_cache:    [P, page_size, D]  K pages of this layer (last dim contiguous)
+        page_ids:   [N] int32          pages whose summary to compute; entries < 0 are padding
+                                       and skipped; valid ids must be unique
+        num_tokens: [N] int32          valid tokens in each page (1..page_size)
+        kmin, kmax: [S, D]             per-channel min / max of the page's valid keys, written at
+                                       row page_ids[i] (S >= P); other rows untouched
+        kradius:    [S, D] or None     ArkVale cuboid radius: mean over valid tokens t of
+                                       |c - k_t| with c = (kmin + kmax) / 2
+    Summaries are computed in fp32 and stored in the summary tensors' dtype.
+    """
+    P, page_size, D = k_cache.shape
+    (N,) = page_ids.shape
+    assert num_tokens.shape == (N,)
+    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
+    assert k_cache.stride(2) == 1 and kmin.stride(1) == 1 and kmax.stride(1) == 1
+    assert page_ids.is_contiguous() and num_tokens.is_contiguous()
+    if N == 0:
+        return
+    has_radius = kradius is not None
+    if has_radius:
+        assert kradius.stride(1) == 1
+    krad = kradius if has_radius else kmin
+    _page_summary_kernel[(N,)](
+        k_cache, page_ids, num_tokens, kmin, kmax, krad,
+        k_cache.stride(0), k_cache.stride(1), kmin.stride(0), kmax.stride(0), krad.stride(0),
+        D=D, PAGE_SIZE=page_size, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        HAS_RADIUS=has_radius, num_warps=4)

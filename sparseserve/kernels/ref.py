@@ -1,0 +1,143 @@
+"""Pure-torch references for every kernel in ``sparseserve.kernels``.
+
+Each function has the same signature and contract as its Triton counterpart and is the
+specification the kernels are tested against. They are also the CPU execution path
+(``sparseserve.kernels`` dispatches here for non-CUDA tensors), so they are vectorised
+(no Python loops over requests or pages) and never call ``.item()``.
+
+KV layout (one tensor per layer for K and one for V)::
+
+    k_cache, v_cache: [num_pages, page_size, head_dim]   one page = page_size tokens of ONE KV head
+
+GQA mapping: query head ``h * G + g`` (``G = Hq // Hkv``) reads KV head ``h``.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "SCORE_MODES"]
+
+SCORE_MODES = ("quest", "arkvale")
+
+
+def _valid_token_mask(num_pages: torch.Tensor, last_page_len: torch.Tensor, W: int, page_size: int):
+    """[B, Hkv, W, page_size] bool: token t of entry w of (b, h) is attended."""
+    dev = num_pages.device
+    w = torch.arange(W, device=dev).view(1, 1, W, 1)
+    t = torch.arange(page_size, device=dev).view(1, 1, 1, page_size)
+    n = num_pages.to(torch.long).unsqueeze(-1).unsqueeze(-1)          # [B, Hkv, 1, 1]
+    last = last_page_len.to(torch.long).view(-1, 1, 1, 1)             # [B, 1, 1, 1]
+    return (w < n) & ((w < n - 1) | (t < last))
+
+
+def paged_decode_attention(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale, out=None):
+    """Decode attention (one query token per request) over a list of KV pages per KV head.
+
+    Args:
+        q:             [B, Hq, D]          one decode query per request, Hq = Hkv * G
+        k_cache:       [P, page_size, D]   physical K pages of this layer
+        v_cache:       [P, page_size, D]   physical V pages of this layer
+        page_table:    [B, Hkv, W] int32   physical page ids to attend, any order, except that the
+                                           request's partial last page, if included, is entry
+                                           ``num_pages[b, h] - 1``; entries >= num_pages are ignored
+        num_pages:     [B, Hkv] int32      valid entries of page_table[b, h] (>= 1)
+        last_page_len: [B] int32           tokens valid in entry num_pages[b, h] - 1 (1..page_size);
+                                           all other valid entries are full pages
+        scale:         float               softmax scale (usually D ** -0.5)
+        out:           [B, Hq, D] or None  written in place if given
+    Returns:
+        out: [B, Hq, D] in q's dtype = softmax(scale * q K^T) V over the selected tokens,
+        computed in fp32.
+    """
+    B, Hq, D = q.shape
+    _, Hkv, W = page_table.shape
+    page_size = k_cache.shape[1]
+    G = Hq // Hkv
+    valid = _valid_token_mask(num_pages, last_page_len, W, page_size)          # [B, Hkv, W, ps]
+    entry_ok = valid[..., 0]                                                   # [B, Hkv, W]
+    ids = torch.where(entry_ok, page_table.to(torch.long), torch.zeros_like(page_table, dtype=torch.long))
+    k = k_cache[ids].float().reshape(B, Hkv, W * page_size, D)                 # [B, Hkv, N, D]
+    v = v_cache[ids].float().reshape(B, Hkv, W * page_size, D)                 # [B, Hkv, N, D]
+    qf = q.float().view(B, Hkv, G, D)                                          # [B, Hkv, G, D]
+    s = torch.einsum("bhgd,bhnd->bhgn", qf, k) * scale                         # [B, Hkv, G, N]
+    mask = valid.reshape(B, Hkv, 1, W * page_size)
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    v = v.masked_fill(~mask.transpose(-1, -2), 0.0)                            # garbage V never leaks
+    o = torch.einsum("bhgn,bhnd->bhgd", p, v).reshape(B, Hq, D).to(q.dtype)
+    if out is None:
+        return o
+    out.copy_(o)
+    return out
+
+
+def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=None) -> None:
+    """(Re)compute per-page key summaries in place.
+
+    Args:
+        k_cache:    [P, page_size, D]  K pages of this layer
+        page_ids:   [N] int32          pages whose summary to compute; entries < 0 are padding
+                                       and skipped; valid ids must be unique
+        num_tokens: [N] int32          valid tokens in each page (1..page_size)
+        kmin, kmax: [S, D]             per-channel min / max of the page's valid keys, written at
+                                       row page_ids[i] (S >= P); other rows untouched
+        kradius:    [S, D] or None     ArkVale cuboid radius: mean over valid tokens t of
+                                       |c - k_t| with c = (kmin + kmax) / 2
+    """
+    page_size = k_cache.shape[1]
+    keep = page_ids >= 0                                                       # [N]
+    ids = page_ids[keep].to(torch.long)                                        # [N']
+    n = num_tokens[keep].to(torch.long)                                        # [N']
+    k = k_cache[ids].float()                                                   # [N', ps, D]
+    tok_ok = (torch.arange(page_size, device=k.device).view(1, -1) < n.view(-1, 1)).unsqueeze(-1)
+    mn = torch.where(tok_ok, k, torch.full_like(k, float("inf"))).amin(dim=1)   # [N', D]
+    mx = torch.where(tok_ok, k, torch.full_like(k, float("-inf"))).amax(dim=1)  # [N', D]
+    kmin[ids] = mn.to(kmin.dtype)
+    kmax[ids] = mx.to(kmax.dtype)
+    if kradius is not None:
+        c = (mn + mx) * 0.5
+        dev = torch.where(tok_ok, (c.unsqueeze(1) - k).abs(), torch.zeros_like(k))
+        kradius[ids] = (dev.sum(dim=1) / n.view(-1, 1).float()).to(kradius.dtype)
+
+
+def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None):
+    """Upper-bound scores of candidate pages from their summaries (the scoring half of select).
+
+    Args:
+        q:          [B, Hq, D]          decode queries, Hq = Hkv * G
+        kmin, kmax: [S, D]              per-page channel min / max (summary rows)
+        kradius:    [S, D] or None      ArkVale radius (required for mode "arkvale")
+        page_table: [B, Hkv, W] int32   candidate pages (summary rows)
+        num_pages:  [B, Hkv] int32      valid entries of page_table[b, h]
+        mode:       "quest"   score = sum_g sum_c max(q_gc * M_c, q_gc * m_c)
+                    "arkvale" with c = (M + m) / 2, r = kradius:
+                              score = sum_g sum_c max(q_gc * (c + r)_c, q_gc * (c - r)_c)
+        out:        [B, Hkv, W] float32 or None (written in place if given)
+    Returns:
+        scores: [B, Hkv, W] float32; entries w >= num_pages[b, h] are -inf.
+    """
+    if mode not in SCORE_MODES:
+        raise ValueError(f"unknown score mode {mode!r}; expected one of {SCORE_MODES}")
+    B, Hq, D = q.shape
+    _, Hkv, W = page_table.shape
+    G = Hq // Hkv
+    ok = torch.arange(W, device=q.device).view(1, 1, W) < num_pages.to(torch.long).unsqueeze(-1)
+    ids = torch.where(ok, page_table.to(torch.long), torch.zeros_like(page_table, dtype=torch.long))
+    hi = kmax[ids].float()                                                     # [B, Hkv, W, D]
+    lo = kmin[ids].float()
+    if mode == "arkvale":
+        if kradius is None:
+            raise ValueError("mode 'arkvale' needs kradius")
+        c = (hi + lo) * 0.5
+        r = kradius[ids].float()
+        hi, lo = c + r, c - r
+    qf = q.float().view(B, Hkv, G, 1, D)                                       # [B, Hkv, G, 1, D]
+    s = torch.zeros(B, Hkv, W, dtype=torch.float32, device=q.device)           # [B, Hkv, W]
+    for g in range(G):  # a shape loop; keeps the intermediate at [B, Hkv, W, D]
+        qg = qf[:, :, g]                                                       # [B, Hkv, 1, D]
+        s += torch.maximum(qg * hi, qg * lo).sum(dim=-1)
+    s = s.masked_fill(~ok, float("-inf"))
+    if out is None:
+        return s
+    out.copy_(s)
+    return out

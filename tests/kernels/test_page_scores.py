@@ -1,0 +1,102 @@
+"""Page scores (Quest, ArkVale): Triton kernel (interpreter on CPU) vs ``kernels.ref`` vs the
+literal per-(head, page) formula. Page-table entries past num_pages hold garbage (negative or
+out-of-range ids) and must score -inf without being read."""
+import math
+
+import pytest
+import torch
+
+from sparseserve.kernels import ref
+from sparseserve.kernels import score_pages as dispatch_scores
+from sparseserve.kernels.page_scores import score_pages
+
+GARBAGE = (-3, 2**30, 99999)
+
+
+def _case(lens, Hq, Hkv, D, ps, gen, extra_w=2):
+    """Summaries for requests of the given lengths; returns q [B, Hq, D], kmin/kmax/krad [S, D],
+    page_table [B, Hkv, W] (random permutation of summary rows, garbage beyond), num_pages."""
+    n = [math.ceil(L / ps) for L in lens]
+    B, W = len(lens), max(n) + extra_w
+    S = sum(n) * Hkv + 3
+    mid = torch.randn(S, D, generator=gen)
+    half = torch.rand(S, D, generator=gen) * 2
+    kmin, kmax = mid - half, mid + half
+    krad = torch.rand(S, D, generator=gen) * half          # radius <= half-width, >= 0
+    table = torch.tensor(GARBAGE * (B * Hkv * W))[: B * Hkv * W].view(B, Hkv, W).to(torch.int32)
+    table = table.clone()
+    perm = torch.randperm(S, generator=gen).to(torch.int32)
+    nxt = 0
+    num_pages = torch.zeros(B, Hkv, dtype=torch.int32)
+    for b in range(B):
+        for h in range(Hkv):
+            table[b, h, : n[b]] = perm[nxt: nxt + n[b]]
+            nxt += n[b]
+            num_pages[b, h] = n[b]
+    q = torch.randn(B, Hq, D, generator=gen)
+    return q, kmin, kmax, krad, table, num_pages
+
+
+def _literal(q, kmin, kmax, krad, table, num_pages, mode):
+    B, Hq, D = q.shape
+    _, Hkv, W = table.shape
+    G = Hq // Hkv
+    out = torch.full((B, Hkv, W), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hkv):
+            for w in range(int(num_pages[b, h])):
+                p = int(table[b, h, w])
+                M, m = kmax[p].double(), kmin[p].double()
+                if mode == "arkvale":
+                    c, r = (M + m) / 2, krad[p].double()
+                    M, m = c + r, c - r
+                qs = q[b, h * G:(h + 1) * G].double()        # [G, D]
+                out[b, h, w] = torch.maximum(qs * M, qs * m).sum()
+    return out
+
+
+CONFIGS = [(8, 2, 64, 32), (4, 4, 128, 16), (8, 2, 128, 16), (4, 4, 64, 32)]
+
+
+@pytest.mark.parametrize("mode", ["quest", "arkvale"])
+@pytest.mark.parametrize("Hq,Hkv,D,ps", CONFIGS)
+def test_scores_mixed_batch(Hq, Hkv, D, ps, mode):
+    gen = torch.Generator().manual_seed(Hq + D + ps)
+    lens = [1, 17, 54, 97, 4097] if (Hq, D) == (8, 64) else [1, 17, 54, 97]
+    q, kmin, kmax, krad, table, npg = _case(lens, Hq, Hkv, D, ps, gen)
+    expect = _literal(q, kmin, kmax, krad, table, npg, mode)
+    for fn in (score_pages, ref.score_pages):
+        got = fn(q, kmin, kmax, krad if mode == "arkvale" else None, table, npg, mode)
+        assert got.dtype == torch.float32 and got.shape == table.shape
+        torch.testing.assert_close(got.double(), expect, rtol=1e-5, atol=1e-4)
+
+
+def test_scores_topk_and_dispatch():
+    gen = torch.Generator().manual_seed(4)
+    q, kmin, kmax, krad, table, npg = _case([300, 17], 8, 2, 64, 32, gen, extra_w=5)
+    out = torch.full(table.shape, float("nan"))
+    res = score_pages(q, kmin, kmax, krad, table, npg, "arkvale", out=out)
+    assert res.data_ptr() == out.data_ptr()
+    for backend in (None, "torch", "triton"):
+        got = dispatch_scores(q, kmin, kmax, krad, table, npg, "arkvale", backend=backend)
+        torch.testing.assert_close(got, out)
+    # fixed-size top-k never picks an invalid entry while enough valid ones exist
+    k = 2
+    top = torch.topk(out, k, dim=-1).indices                 # [B, Hkv, k]
+    n_valid = (top < npg.unsqueeze(-1)).sum(-1)
+    assert (n_valid == npg.clamp(max=k)).all()
+    with pytest.raises(ValueError):
+        score_pages(q, kmin, kmax, None, table, npg, "arkvale")
+    with pytest.raises(ValueError):
+        score_pages(q, kmin, kmax, None, table, npg, "nope")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["quest", "arkvale"])
+def test_scores_bf16_cuda(mode):
+    gen = torch.Generator().manual_seed(6)
+    q, kmin, kmax, krad, table, npg = _case([1, 17, 54, 97, 4097, 30000], 32, 8, 128, 32, gen)
+    bf = [t.to(torch.bfloat16) for t in (q, kmin, kmax, krad)]
+    expect = ref.score_pages(*[t.float() for t in bf], table, npg, mode)
+    got = score_pages(*[t.cuda() for t in bf], table.cuda(), npg.cuda(), mode).cpu()
+    torch.testing.assert_close(got, expect, rtol=1e-3, atol=1e-2)
