@@ -6,3 +6,14 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory):
+    """{kind: (directory, transformers model)} for every tiny architecture in tests/tiny_models.py."""
+    from tests.tiny_models import TINY, make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {kind: (str(root / kind), make_tiny_model(str(root / kind), kind)) for kind in TINY}

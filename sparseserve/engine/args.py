@@ -1,0 +1,173 @@
+"""EngineArgs: the user's knobs (vLLM names) -> a frozen, checked EngineConfig."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from sparseserve.config import CacheConfig, EngineConfig, LoadConfig, ModelConfig, SchedulerConfig
+
+logger = logging.getLogger("sparseserve")
+
+GiB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+CPU_DEFAULT_KV_BYTES = 2 * GiB
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    load_format: str = "auto"
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    prefill_layers_per_step: int | None = None
+    page_size: int = 32
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+    enforce_eager: bool = False
+
+    # ---- CLI ------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+        d = EngineArgs()
+        if not model_positional:
+            parser.add_argument("--model", default=None,
+                                help="HF directory, .gguf file, or built-in dummy config name "
+                                     "(default: the embedded SmolLM2-135M-Instruct)")
+        parser.add_argument("--load-format", default=d.load_format,
+                            choices=["auto", "safetensors", "gguf", "dummy"])
+        parser.add_argument("--tokenizer", default=None)
+        parser.add_argument("--dtype", default=d.dtype,
+                            choices=["auto", "float32", "bfloat16", "float16"])
+        parser.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+        parser.add_argument("--max-model-len", type=int, default=None)
+        parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+        parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
+                            action="store_false")
+        parser.add_argument("--prefill-layers-per-step", type=int, default=None,
+                            help="layer-segmented prefill: layers a prompt runs per step")
+        parser.add_argument("--page-size", type=int, default=d.page_size)
+        parser.add_argument("--kv-cache-memory-bytes", type=_parse_bytes, default=None,
+                            help="device KV cache size, e.g. 4G or 4294967296")
+        parser.add_argument("--gpu-memory-utilization", type=float,
+                            default=d.gpu_memory_utilization)
+        parser.add_argument("--seed", type=int, default=d.seed)
+        parser.add_argument("--enforce-eager", action="store_true")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    # ---- resolution -----------------------------------------------------------------------
+    def create_engine_config(self):
+        """-> (EngineConfig, ModelSource). Validates everything before any weight is loaded."""
+        import torch
+
+        from sparseserve.model.loader import load_model_config, resolve_model_source
+
+        source = resolve_model_source(self.model, self.load_format)
+        mc = load_model_config(source)
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA GPU is visible; use device='cpu'.")
+        dtype = _resolve_dtype(self.dtype, device, mc)
+        if self.page_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"page_size must be one of 8, 16, 32, 64, 128; got {self.page_size}.")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1.")
+        if self.prefill_layers_per_step is not None and self.prefill_layers_per_step < 1:
+            raise ValueError("prefill_layers_per_step must be >= 1 (or unset).")
+
+        page_bytes = 2 * mc.num_hidden_layers * self.page_size * mc.head_dim * DTYPE_BYTES[dtype]
+        kv_bytes = self._kv_bytes(device, mc, dtype)
+        num_pages = kv_bytes // page_bytes
+        capacity_tokens = (num_pages // mc.num_key_value_heads) * self.page_size
+        if capacity_tokens < self.page_size:
+            raise ValueError(f"KV cache of {kv_bytes} bytes holds no full page set "
+                             f"({page_bytes * mc.num_key_value_heads} bytes); raise "
+                             "kv_cache_memory_bytes / gpu_memory_utilization.")
+        max_len = self.max_model_len
+        if max_len is None:
+            max_len = min(mc.max_position_embeddings, capacity_tokens)
+        elif max_len > capacity_tokens:
+            raise ValueError(f"max_model_len={max_len} needs more KV cache than the "
+                             f"{capacity_tokens} tokens that fit in {kv_bytes} bytes; raise "
+                             "kv_cache_memory_bytes or lower max_model_len.")
+        if max_len < 1:
+            raise ValueError("max_model_len must be >= 1.")
+        batched = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill and batched < max_len:
+            batched = max_len  # without chunking a whole prompt must fit in one step
+        cfg = EngineConfig(
+            model=mc,
+            load=LoadConfig(model=source.path or source.name, load_format=source.kind,
+                            tokenizer=self.tokenizer),
+            cache=CacheConfig(page_size=self.page_size, num_pages=int(num_pages),
+                              kv_cache_memory_bytes=kv_bytes,
+                              gpu_memory_utilization=self.gpu_memory_utilization),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=batched, max_model_len=max_len,
+                                      enable_chunked_prefill=self.enable_chunked_prefill,
+                                      prefill_layers_per_step=self.prefill_layers_per_step),
+            device=device, dtype=dtype, seed=self.seed, enforce_eager=self.enforce_eager,
+        )
+        return cfg, source
+
+    def _kv_bytes(self, device: str, mc: ModelConfig, dtype: str) -> int:
+        if self.kv_cache_memory_bytes is not None:
+            if self.kv_cache_memory_bytes <= 0:
+                raise ValueError("kv_cache_memory_bytes must be > 0.")
+            return int(self.kv_cache_memory_bytes)
+        if device == "cpu":
+            return CPU_DEFAULT_KV_BYTES
+        import torch
+
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1].")
+        free, total = torch.cuda.mem_get_info()
+        weights = _param_count(mc) * DTYPE_BYTES[dtype]
+        # activations of the largest step: hidden/MLP buffers plus fp32 logits of the batch
+        act = self.max_num_batched_tokens * (mc.hidden_size * 8 + mc.intermediate_size * 6) \
+            + self.max_num_seqs * mc.vocab_size * 12 + 2 * GiB
+        budget = min(free, int(total * self.gpu_memory_utilization)) - weights - act
+        if budget <= 0:
+            raise ValueError("No GPU memory left for the KV cache after weights and activations; "
+                             "raise gpu_memory_utilization or use a smaller model.")
+        return int(budget)
+
+
+def _param_count(mc: ModelConfig) -> int:
+    h, i, d = mc.hidden_size, mc.intermediate_size, mc.head_dim
+    attn = h * d * (2 * mc.num_attention_heads + 2 * mc.num_key_value_heads)
+    layer = attn + 3 * h * i + 2 * h
+    head = 0 if mc.tie_word_embeddings else mc.vocab_size * h
+    return mc.num_hidden_layers * layer + mc.vocab_size * h + head + h
+
+
+def _resolve_dtype(dtype: str, device: str, mc: ModelConfig) -> str:
+    if dtype == "auto":
+        if device == "cpu":
+            return "float32"  # CPU matmuls in bf16 are slow and less exact
+        return "float16" if mc.torch_dtype == "float16" else "bfloat16"
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} not supported; use auto, float32, bfloat16 or float16.")
+    return dtype
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().rstrip("ib").rstrip("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(float(t))

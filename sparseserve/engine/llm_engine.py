@@ -1,0 +1,257 @@
+"""LLMEngine: the step loop (schedule -> execute -> update). Not thread-safe: one caller
+drives it (the offline LLM, or the server's engine thread)."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparseserve.engine.args import EngineArgs
+from sparseserve.engine.detokenizer import IncrementalDetokenizer
+from sparseserve.engine.scheduler import Scheduler
+from sparseserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from sparseserve.request import Request, RequestStatus, SamplingParams
+
+logger = logging.getLogger("sparseserve")
+
+
+@dataclass
+class _Parent:
+    """A user request; with n > 1 it fans out into n child requests."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detok: dict[str, IncrementalDetokenizer] = field(default_factory=dict)
+    cumulative_logprob: dict[str, float] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        from sparseserve.model.loader import load_tokenizer
+        from sparseserve.worker.model_runner import ModelRunner
+
+        self.config, self.source = args.create_engine_config()
+        self.model_name = self.source.name
+        self.tokenizer = load_tokenizer(self.source) if args.tokenizer is None else \
+            _load_tokenizer_path(args.tokenizer)
+        self.runner = ModelRunner(self.config, self.source)
+        mc = self.config.model
+        self.scheduler = Scheduler(self.config.scheduler, self.config.cache,
+                                   mc.num_hidden_layers, mc.num_key_value_heads)
+        self.eos_token_ids = tuple(mc.eos_token_ids) or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer is not None
+            and self.tokenizer.eos_token_id is not None else ())
+        self._parents: dict[str, _Parent] = {}
+        self._child_parent: dict[str, str] = {}
+        self.step_count = 0
+        self.last_step_host_time_s = 0.0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use.")
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise ValueError("The prompt is empty; give at least one token.")
+        vocab = self.config.model.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}).")
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"The prompt has {len(ids)} tokens but max_model_len is {limit} "
+                             "(prompt plus at least one generated token must fit); shorten the "
+                             "prompt or raise max_model_len.")
+        room = limit - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        arrival = arrival_time or time.time()
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = _with_seed(params, params.seed + i)
+            req = Request(child_id, list(ids), child_params, prompt=text, arrival_time=arrival,
+                          eos_token_ids=self.eos_token_ids, max_tokens=max_tokens)
+            children.append(req)
+        parent = _Parent(request_id, text, list(ids), children)
+        for req in children:
+            parent.detok[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
+                params.skip_special_tokens)
+            self._child_parent[req.request_id] = request_id
+            self.scheduler.add_request(req)
+        self._parents[request_id] = parent
+
+    def _tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, (list, tuple)):
+            return None, [int(t) for t in prompt]
+        if not isinstance(prompt, str):
+            raise ValueError("A prompt is a string, a list of token ids or "
+                             "{'prompt_token_ids': [...]}.")
+        if self.tokenizer is None:
+            raise ValueError("This model has no tokenizer (dummy weights); pass "
+                             "{'prompt_token_ids': [...]} instead of text.")
+        return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def abort_request(self, request_ids: list[str] | str) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            for req in parent.children:
+                self._child_parent.pop(req.request_id, None)
+                if not req.is_finished:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler
+        out = sched.schedule()
+        if out.is_empty:
+            if sched.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests waiting; the KV "
+                                   "cache is too small for a single request.")
+            return []
+        res = self.runner.execute(out)
+        self.last_step_host_time_s = res.host_time_s
+        sched.update_after_step(out)
+        self.step_count += 1
+        now = time.time()
+        touched: dict[str, list[float]] = {}
+        for chunk in out.chunks:
+            req = sched.requests.get(chunk.request_id)
+            tok = res.token_ids.get(chunk.request_id)
+            if req is None or tok is None or req.is_finished:
+                continue
+            self._append_token(req, tok, res.logprobs.get(req.request_id), now)
+            touched.setdefault(self._child_parent[req.request_id], []).append(now)
+        outputs = []
+        for pid, times in touched.items():
+            parent = self._parents[pid]
+            ro = self._make_output(parent, times)
+            outputs.append(ro)
+            if ro.finished:
+                del self._parents[pid]
+                for req in parent.children:
+                    self._child_parent.pop(req.request_id, None)
+        return outputs
+
+    def _append_token(self, req: Request, tok: int, logprobs, now: float) -> None:
+        req.output_token_ids.append(tok)
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        parent = self._parents[self._child_parent[req.request_id]]
+        detok = parent.detok[req.request_id]
+        detok.add(tok)
+        params = req.sampling_params
+        n_out = len(req.output_token_ids)
+        status = None
+        if detok.stopped_by is not None:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stopped_by
+        elif n_out >= params.min_tokens and (
+                (not params.ignore_eos and tok in req.eos_token_ids)
+                or tok in params.stop_token_ids):
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+        elif n_out >= req.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            req.finished_time = now
+            self.scheduler.finish(req, status)
+
+    def _make_output(self, parent: _Parent, times: list[float]) -> RequestOutput:
+        outs = []
+        for i, req in enumerate(parent.children):
+            detok = parent.detok[req.request_id]
+            text = detok.text
+            ids = list(req.output_token_ids)
+            lps = None
+            if req.sampling_params.logprobs is not None:
+                lps = [{t: Logprob(lp, rank, self._decode_one(t)) for t, (lp, rank) in d.items()}
+                       for d in req.logprobs]
+            cum = sum(d[t][0] for d, t in zip(req.logprobs, ids)) if req.logprobs else None
+            outs.append(CompletionOutput(index=i, text=text, token_ids=ids,
+                                         cumulative_logprob=cum, logprobs=lps,
+                                         finish_reason=req.finish_reason,
+                                         stop_reason=req.stop_reason))
+        first = parent.children[0]
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_scheduled_time=min((r.first_scheduled_time for r in parent.children
+                                      if r.first_scheduled_time), default=None),
+            first_token_time=min((r.first_token_time for r in parent.children
+                                  if r.first_token_time), default=None),
+            last_token_time=max((r.last_token_time or 0 for r in parent.children), default=None),
+            finished_time=max((r.finished_time or 0 for r in parent.children), default=None),
+            num_preemptions=sum(r.num_preemptions for r in parent.children))
+        finished = all(r.is_finished for r in parent.children)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
+                             finished=finished, metrics=metrics, new_token_times=times)
+
+    def _decode_one(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    # ---- introspection --------------------------------------------------------------------
+    def get_stats(self) -> dict[str, Any]:
+        sched = self.scheduler
+        return {
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "num_preemptions_total": sched.num_preemptions_total,
+            "device_kv_usage": sched.kv.usage,
+            "host_kv_usage": 0.0,
+            "cache_hits_total": 0,
+            "cache_misses_total": 0,
+            "bytes_loaded_total": 0,
+            "bytes_saved_total": 0,
+        }
+
+    def num_free_pages(self) -> int:
+        return self.scheduler.kv.pool.num_free
+
+    def num_total_pages(self) -> int:
+        return self.scheduler.kv.pool.num_pages
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+
+    def check_health(self) -> None:
+        if self.runner is None:
+            raise RuntimeError("engine has no model runner")
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    import dataclasses
+    return dataclasses.replace(params, seed=seed)
+
+
+def _load_tokenizer_path(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)

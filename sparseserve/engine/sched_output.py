@@ -1,0 +1,59 @@
+"""What the scheduler hands the worker each step (plain data: the worker never sees
+engine objects). Page tables travel as diffs: only newly allocated pages."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sparseserve.request import SamplingParams
+
+
+@dataclass
+class NewRow:
+    """A request taking a batch row (first schedule, or again after preemption)."""
+
+    row: int
+    request_id: str
+    params: SamplingParams
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens [start, start + len(token_ids)) of one request, over layers [layer_start, layer_end)."""
+
+    request_id: str
+    row: int
+    token_ids: list[int]
+    start: int  # position of token_ids[0] (= tokens already in the KV cache)
+    layer_start: int
+    layer_end: int
+    sample: bool  # this chunk completes the request's known tokens: sample the next one
+    num_output_tokens: int  # output tokens so far (seeded sampling derives its stream from it)
+    first_new_block: int = 0
+    new_pages: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.int32))  # [n, Hkv]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start > 0 and self.layer_start == 0 and self.sample
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    new_rows: list[NewRow] = field(default_factory=list)
+    freed_rows: list[int] = field(default_factory=list)  # rows whose request left (finished/preempted)
+    freed_request_ids: list[str] = field(default_factory=list)  # their requests: drop worker state
+    num_layers: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks

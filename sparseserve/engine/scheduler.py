@@ -1,0 +1,180 @@
+"""Continuous-batching FCFS scheduler with chunked prefill, hybrid batches, layer-segmented
+prefill and preemption by recompute (CPU only).
+
+Every request's `num_computed_tokens` catches up with its tokens: a step gives each running
+request what it is missing (1 token when decoding, a chunk when prefilling), then admits
+waiting requests while the token budget, `max_num_seqs` and free pages allow.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from sparseserve.config import CacheConfig, SchedulerConfig
+from sparseserve.engine.sched_output import NewRow, ScheduledChunk, SchedulerOutput
+from sparseserve.kvcache.manager import KVCacheManager
+from sparseserve.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, cache: CacheConfig, num_layers: int,
+                 num_kv_heads: int) -> None:
+        self.cfg = cfg
+        self.num_layers = num_layers
+        self.kv = KVCacheManager(cache.num_pages, cache.page_size, num_kv_heads)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._free_rows = list(range(cfg.max_num_seqs - 1, -1, -1))
+        self._rows: dict[str, int] = {}
+        self._freed_rows: list[int] = []
+        self._freed_ids: list[str] = []
+        # layer-segmented prefill: tokens of the chunk a request is running layer by layer
+        self._segment_tokens: dict[str, int] = {}
+        self.num_preemptions_total = 0
+
+    # ---- queue management -----------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Finish or abort a request and return its pages and row."""
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        self.requests.pop(req.request_id, None)
+
+    def _release(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        self._segment_tokens.pop(req.request_id, None)
+        row = self._rows.pop(req.request_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+            self._freed_rows.append(row)
+            self._freed_ids.append(req.request_id)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.prefill_layer = 0
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(req)
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.cfg.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        new_rows: list[NewRow] = []
+        preempted = False
+
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req not in self.running:  # preempted earlier in this loop
+                continue
+            chunk = self._plan_chunk(req, budget)
+            if chunk is None:
+                continue
+            n_tokens, cost, l0, l1 = chunk
+            while not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status == RequestStatus.PREEMPTED:
+                break
+            chunks.append(self._make_chunk(req, n_tokens, l0, l1))
+            budget -= cost
+
+        while (self.waiting and not preempted and budget > 0
+               and len(self.running) < self.cfg.max_num_seqs):
+            req = self.waiting[0]
+            chunk = self._plan_chunk(req, budget)
+            if chunk is None:
+                break
+            n_tokens, cost, l0, l1 = chunk
+            if not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n_tokens):
+                break
+            self.waiting.popleft()
+            row = self._free_rows.pop()
+            self._rows[req.request_id] = row
+            new_rows.append(NewRow(row, req.request_id, req.sampling_params))
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks.append(self._make_chunk(req, n_tokens, l0, l1))
+            budget -= cost
+
+        freed, self._freed_rows = self._freed_rows, []
+        freed_ids, self._freed_ids = self._freed_ids, []
+        return SchedulerOutput(chunks=chunks, new_rows=new_rows, freed_rows=freed,
+                               freed_request_ids=freed_ids, num_layers=self.num_layers)
+
+    def _plan_chunk(self, req: Request, budget: int) -> tuple[int, int, int, int] | None:
+        """-> (tokens, budget cost, layer_start, layer_end), or None if it does not fit."""
+        remaining = req.num_tokens - req.num_computed_tokens
+        seg = self.cfg.prefill_layers_per_step
+        is_prefill = remaining > 1 or req.prefill_layer > 0
+        if seg is None or not is_prefill:
+            n = min(remaining, budget) if self.cfg.enable_chunked_prefill else remaining
+            if n <= 0 or n > budget:
+                return None
+            return n, n, 0, self.num_layers
+        # Layer-segmented prefill: the same chunk runs `seg` layers per step; its cost is the
+        # share of a full forward it does (tokens x layers / total layers).
+        n = self._segment_tokens.get(req.request_id)
+        if n is None:
+            n = min(remaining, budget) if self.cfg.enable_chunked_prefill else remaining
+        l0 = req.prefill_layer
+        l1 = min(self.num_layers, l0 + seg)
+        cost = max(1, -(-n * (l1 - l0) // self.num_layers))
+        if n <= 0 or cost > budget:
+            return None
+        self._segment_tokens[req.request_id] = n
+        return n, cost, l0, l1
+
+    def _make_chunk(self, req: Request, n_tokens: int, l0: int, l1: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        first_block, new_pages = self.kv.allocate(req.request_id, start + n_tokens)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.time()
+        return ScheduledChunk(
+            request_id=req.request_id,
+            row=self._rows[req.request_id],
+            token_ids=req.all_token_ids[start:start + n_tokens],
+            start=start,
+            layer_start=l0,
+            layer_end=l1,
+            sample=(l1 == self.num_layers and start + n_tokens == req.num_tokens),
+            num_output_tokens=len(req.output_token_ids),
+            first_new_block=first_block,
+            new_pages=new_pages,
+        )
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance each scheduled request's progress (before sampled tokens are appended)."""
+        for c in out.chunks:
+            req = self.requests.get(c.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            if c.layer_end < self.num_layers:
+                req.prefill_layer = c.layer_end
+            else:
+                req.prefill_layer = 0
+                req.num_computed_tokens += c.num_tokens
+                self._segment_tokens.pop(req.request_id, None)
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        assert len(self._rows) == len(self.running), "row leaked"
+        assert len(self._free_rows) + len(self._rows) == self.cfg.max_num_seqs

@@ -1,0 +1,140 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2).
+
+Parameter names equal Hugging Face's, so a state dict from any loader drops straight in.
+The model knows nothing about pages: attention calls `ctx.attention(layer, q, k, v)`, where
+`ctx` is the worker's forward context for the current step (stores KV, attends over pages).
+The forward pass is split into `embed`, `run_layers(l0, l1)` and `compute_logits` so a
+request can run a sub-range of layers in one step and resume later (layer-segmented prefill).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+import torch
+from torch import nn
+
+from sparseserve.config import ModelConfig
+from sparseserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class AttentionContext(Protocol):
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (RoPE applied) -> [T, Hq, D]."""
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                ctx: AttentionContext) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        out = ctx.attention(self.layer, q, k, v)  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                ctx: AttentionContext) -> torch.Tensor:
+        # h is the residual stream [T, hidden]
+        h = h + self.self_attn(self.input_layernorm(h), positions, rope, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)  # [T, hidden]
+
+    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                   start: int, end: int) -> torch.Tensor:
+        """Run layers [start, end) over the residual stream h [T, hidden]."""
+        for layer in self.model.layers[start:end]:
+            h = layer(h, positions, self.rope, ctx)
+        return h
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [N, hidden] (residual stream after the last layer) -> fp32 logits [N, vocab]."""
+        h = self.model.norm(h)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.matmul(h, weight.t()).float()
+
+    # ---- weights -------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (HF name, tensor) pairs into the parameters; every parameter must be set once."""
+        params = dict(self.named_parameters())
+        missing = set(params)
+        for name, tensor in weights:
+            if name not in params:
+                if name == "lm_head.weight" and self.lm_head is None:
+                    continue  # tied checkpoints sometimes store the head anyway
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise ValueError(f"Checkpoint tensor {name!r} has no place in {type(self).__name__}; "
+                                 "is the checkpoint of a supported Llama-family architecture?")
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the config expects {tuple(param.shape)}.")
+            with torch.no_grad():
+                param.copy_(tensor)
+            missing.discard(name)
+        if missing:
+            shown = ", ".join(sorted(missing)[:8])
+            raise ValueError(f"Checkpoint is missing {len(missing)} tensors the config needs "
+                             f"(e.g. {shown}); the model was not loaded.")
+
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights for benchmarks (`load_format="dummy"`): small uniform values and
+        unit norms so activations stay finite in bf16 through dozens of layers."""
+        gens: dict[torch.device, torch.Generator] = {}
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            if p.device not in gens:
+                gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            p.uniform_(-2e-2, 2e-2, generator=gens[p.device])

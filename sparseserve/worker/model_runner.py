@@ -1,0 +1,213 @@
+"""ModelRunner: owns every device tensor (weights, KV pages, page table, saved hidden states)
+and executes one scheduled step: apply page-table diffs, run the layers over the tokens
+active at each layer, sample. The only host sync per step is the final token copy.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from sparseserve.config import EngineConfig
+from sparseserve.engine.sched_output import ScheduledChunk, SchedulerOutput
+from sparseserve.kvcache.manager import cdiv
+from sparseserve.model.llama import LlamaForCausalLM
+from sparseserve.model.loader import iter_weights
+from sparseserve.request import SamplingParams
+from sparseserve.worker.forward_context import ForwardContext, KVCacheTensors, PrefillSeq
+from sparseserve.worker.sampler import Sampler, SamplingBatch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RunnerOutput:
+    """Sampled tokens of the chunks that sampled, keyed by request id."""
+
+    token_ids: dict[str, int] = field(default_factory=dict)
+    # request id -> {token_id: (logprob, rank)} for the sampled position
+    logprobs: dict[str, dict[int, tuple[float, int]]] = field(default_factory=dict)
+    host_time_s: float = 0.0  # time the CPU spent preparing and launching (before the sync)
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, source) -> None:
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.dtype = DTYPES[cfg.dtype]
+        mc = cfg.model
+        self.num_layers = mc.num_hidden_layers
+        self.num_kv_heads = mc.num_key_value_heads
+        self.page_size = cfg.cache.page_size
+        self.scale = mc.head_dim ** -0.5
+        max_len = cfg.scheduler.max_model_len
+        self.max_blocks = cdiv(max_len, self.page_size)
+
+        with torch.device(self.device):
+            model = LlamaForCausalLM(mc, max_positions=max_len)
+        model = model.to(self.dtype)
+        if source.kind == "dummy":
+            model.init_dummy_weights(cfg.seed)
+        else:
+            model.load_weights(iter_weights(source, mc))
+        self.model = model.eval()
+
+        self.kv = KVCacheTensors(self.num_layers, cfg.cache.num_pages, self.page_size,
+                                 mc.head_dim, self.dtype, self.device)
+        rows = cfg.scheduler.max_num_seqs
+        self.page_table = torch.zeros((rows, self.num_kv_heads, self.max_blocks),
+                                      dtype=torch.int32, device=self.device)
+        self.row_params: dict[int, SamplingParams] = {}
+        self.saved_hidden: dict[str, torch.Tensor] = {}  # layer-segmented prefill state
+        self.sampler = Sampler(self.device, cfg.seed)
+
+    # ---- step -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        t0 = time.perf_counter()
+        self._apply_row_changes(out)
+        self._apply_page_diffs(out.chunks)
+        # decode tokens first: the decode kernel reads one contiguous block of rows
+        chunks = sorted(out.chunks, key=lambda c: not c.is_decode)
+        for rid in out.freed_request_ids:
+            self.saved_hidden.pop(rid, None)  # finished or preempted mid-segment
+        if not chunks:
+            return RunnerOutput()
+
+        ids, pos, rows, offsets = [], [], [], []
+        n = 0
+        for c in chunks:
+            ids.extend(c.token_ids)
+            pos.extend(range(c.start, c.start + c.num_tokens))
+            rows.extend([c.row] * c.num_tokens)
+            offsets.append(n)
+            n += c.num_tokens
+        dev = self.device
+        input_ids = _to_device(ids, torch.long, dev)
+        positions = _to_device(pos, torch.long, dev)
+        token_rows = _to_device(rows, torch.long, dev)
+
+        h = self._initial_hidden(chunks, offsets, input_ids)
+        for a, b in _layer_intervals(chunks):
+            active = [i for i, c in enumerate(chunks) if c.layer_start <= a and c.layer_end >= b]
+            if not active:
+                continue
+            if len(active) == len(chunks):
+                ctx = self._context(chunks, offsets, token_rows, positions)
+                h = self.model.run_layers(h, positions, ctx, a, b)
+                continue
+            sub = [chunks[i] for i in active]
+            idx = torch.cat([torch.arange(offsets[i], offsets[i] + chunks[i].num_tokens)
+                             for i in active]).to(dev)
+            sub_offsets = np.cumsum([0] + [c.num_tokens for c in sub])[:-1].tolist()
+            ctx = self._context(sub, sub_offsets, token_rows[idx], positions[idx])
+            h[idx] = self.model.run_layers(h[idx], positions[idx], ctx, a, b)
+
+        for c, off in zip(chunks, offsets):
+            if c.layer_end < self.num_layers:
+                self.saved_hidden[c.request_id] = h[off:off + c.num_tokens].clone()
+            else:
+                self.saved_hidden.pop(c.request_id, None)
+        return self._sample(chunks, offsets, h, t0)
+
+    def _initial_hidden(self, chunks: list[ScheduledChunk], offsets: list[int],
+                        input_ids: torch.Tensor) -> torch.Tensor:
+        if all(c.layer_start == 0 for c in chunks):
+            return self.model.embed(input_ids)
+        h = torch.empty((input_ids.shape[0], self.cfg.model.hidden_size), dtype=self.dtype,
+                        device=self.device)
+        for c, off in zip(chunks, offsets):
+            sl = slice(off, off + c.num_tokens)
+            if c.layer_start == 0:
+                h[sl] = self.model.embed(input_ids[sl])
+            else:
+                h[sl] = self.saved_hidden[c.request_id]
+        return h
+
+    def _context(self, chunks: list[ScheduledChunk], offsets: list[int], rows: torch.Tensor,
+                 positions: torch.Tensor) -> ForwardContext:
+        num_decode = 0
+        while num_decode < len(chunks) and chunks[num_decode].is_decode:
+            num_decode += 1
+        prefills = [PrefillSeq(off, off + c.num_tokens, c.start, c.row)
+                    for c, off in zip(chunks[num_decode:], offsets[num_decode:])]
+        width = None
+        if num_decode:  # pages of the longest decode request (known on the CPU: no sync)
+            width = max(cdiv(c.start + 1, self.page_size) for c in chunks[:num_decode])
+        return ForwardContext(self.kv, self.page_table, rows, positions, num_decode, prefills,
+                              self.scale, decode_width=width)
+
+    def _sample(self, chunks: list[ScheduledChunk], offsets: list[int], h: torch.Tensor,
+                t0: float) -> RunnerOutput:
+        sampling = [(c, off + c.num_tokens - 1) for c, off in zip(chunks, offsets) if c.sample]
+        result = RunnerOutput()
+        if not sampling:
+            result.host_time_s = time.perf_counter() - t0
+            return result
+        last_rows = torch.tensor([r for _, r in sampling], device=self.device)
+        logits = self.model.compute_logits(h[last_rows])
+        batch = SamplingBatch(params=[self.row_params[c.row] for c, _ in sampling],
+                              num_output_tokens=[c.num_output_tokens for c, _ in sampling])
+        s = self.sampler(logits, batch)
+        result.host_time_s = time.perf_counter() - t0
+        tokens = s.token_ids.tolist()  # the step's one host sync
+        for (c, _), tok in zip(sampling, tokens):
+            result.token_ids[c.request_id] = tok
+        if s.sampled_logprob is not None:
+            self._collect_logprobs(result, sampling, batch, s)
+        return result
+
+    @staticmethod
+    def _collect_logprobs(result: RunnerOutput, sampling, batch: SamplingBatch, s) -> None:
+        lp = s.sampled_logprob.tolist()
+        rank = s.sampled_rank.tolist()
+        top_lp = s.top_logprobs.tolist() if s.top_logprobs is not None else None
+        top_id = s.top_ids.tolist() if s.top_ids is not None else None
+        for i, ((c, _), params) in enumerate(zip(sampling, batch.params)):
+            if params.logprobs is None:
+                continue
+            entry = {}
+            for j in range(params.logprobs):
+                entry[top_id[i][j]] = (top_lp[i][j], j + 1)
+            entry[result.token_ids[c.request_id]] = (lp[i], rank[i])
+            result.logprobs[c.request_id] = entry
+
+    # ---- bookkeeping ----------------------------------------------------------------------
+    def _apply_row_changes(self, out: SchedulerOutput) -> None:
+        for row in out.freed_rows:
+            self.row_params.pop(row, None)
+        for nr in out.new_rows:
+            self.row_params[nr.row] = nr.params
+
+    def _apply_page_diffs(self, chunks: list[ScheduledChunk]) -> None:
+        """Write newly allocated pages into the device page table in one scatter."""
+        parts = [c for c in chunks if c.new_pages.size]
+        if not parts:
+            return
+        hkv = self.num_kv_heads
+        r_idx, h_idx, b_idx, vals = [], [], [], []
+        for c in parts:
+            nb = c.new_pages.shape[0]
+            blocks = np.arange(c.first_new_block, c.first_new_block + nb)
+            r_idx.append(np.full(nb * hkv, c.row))
+            h_idx.append(np.tile(np.arange(hkv), nb))
+            b_idx.append(np.repeat(blocks, hkv))
+            vals.append(c.new_pages.reshape(-1))
+        idx = [_to_device(np.concatenate(x), torch.long, self.device) for x in (r_idx, h_idx, b_idx)]
+        self.page_table[idx[0], idx[1], idx[2]] = _to_device(np.concatenate(vals), torch.int32,
+                                                             self.device)
+
+
+def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(np.asarray(values), dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def _layer_intervals(chunks: list[ScheduledChunk]) -> list[tuple[int, int]]:
+    """Split the layer axis where the set of active chunks changes."""
+    cuts = sorted({c.layer_start for c in chunks} | {c.layer_end for c in chunks})
+    return list(zip(cuts[:-1], cuts[1:]))
