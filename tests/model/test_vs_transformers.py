@@ -55,7 +55,7 @@ def smollm2():
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(src.path),
                                               gguf_file=os.path.basename(src.path),
-                                              torch_dtype=torch.float32).eval()
+                                              dtype=torch.float32).eval()
     return LLM(max_num_seqs=4), hf
 
 
