@@ -1,0 +1,347 @@
+"""OpenAI-compatible request and response models (pydantic v2).
+
+Requests are validated strictly (a string where a number belongs is an error, not a
+conversion), unknown fields are ignored the way vLLM ignores them, and every request can be
+turned into the engine's `SamplingParams`. Semantic checks that need the server's settings
+(model name, `n` limit, context length) live in the handlers; the ones that don't live here
+and raise `APIError` with the offending field as `param`.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sparseserve.request import SamplingParams
+from sparseserve.server.errors import APIError
+
+MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    # vLLM extension: attach running usage to every chunk
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: Optional[str] = None
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # vLLM extensions
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def _check_common(self) -> None:
+        if self.temperature is not None and self.temperature < 0:
+            raise APIError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.",
+                           param="temperature")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise APIError(f"top_p must be in (0, 1], got {self.top_p}.", param="top_p")
+        if self.top_k is not None and (self.top_k < -1):
+            raise APIError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}.",
+                           param="top_k")
+        if self.n < 1:
+            raise APIError(f"n must be >= 1, got {self.n}.", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0, 0.0):
+                raise APIError(f"{name} is not supported by sparseserve yet; send 0 or omit it.",
+                               param=name)
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported by sparseserve yet.", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed when stream is true.",
+                           param="stream_options")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(not s for s in stops):
+            raise APIError("stop strings must be non-empty.", param="stop")
+
+    def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            raise APIError(str(e)) from e
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+# --------------------------------------------------------------------------- completions
+
+PromptType = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: PromptType
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    def prompts(self) -> list[Union[str, dict[str, list[int]]]]:
+        """The prompts as engine inputs: strings, or {"prompt_token_ids": [...]}."""
+        p = self.prompt
+        if isinstance(p, str):
+            items: list[Any] = [p]
+        elif len(p) == 0:
+            raise APIError("prompt must not be empty.", param="prompt")
+        elif isinstance(p[0], int):
+            items = [{"prompt_token_ids": list(p)}]
+        elif isinstance(p[0], str):
+            items = list(p)
+        else:
+            items = [{"prompt_token_ids": list(ids)} for ids in p]
+        for item in items:
+            if (isinstance(item, str) and not item) or (isinstance(item, dict) and not item["prompt_token_ids"]):
+                raise APIError("prompt must not be empty.", param="prompt")
+            if isinstance(item, dict) and any(t < 0 for t in item["prompt_token_ids"]):
+                raise APIError("prompt token ids must be >= 0.", param="prompt")
+        return items
+
+    def to_sampling_params(self) -> SamplingParams:
+        self._check_common()
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise APIError(f"max_tokens must be >= 1, got {self.max_tokens}.", param="max_tokens")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.",
+                           param="logprobs")
+        if self.echo:
+            raise APIError("echo is not supported by sparseserve yet.", param="echo")
+        if self.suffix:
+            raise APIError("suffix is not supported by sparseserve.", param="suffix")
+        if self.best_of not in (None, self.n):
+            raise APIError("best_of is not supported; use n.", param="best_of")
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# --------------------------------------------------------------------------- chat
+
+class ChatContentPart(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: Optional[Union[str, list[ChatContentPart]]] = None
+    name: Optional[str] = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise APIError(f"messages[{index}]: content part type {part.type!r} is not supported "
+                               "(sparseserve serves text-only models).", param=f"messages.{index}.content")
+            parts.append(part.text)
+        return "\n".join(parts)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
+    # vLLM extensions
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    echo: bool = False
+
+    def conversation(self) -> list[dict[str, str]]:
+        if not self.messages:
+            raise APIError("messages must contain at least one message.", param="messages")
+        allowed = {"system", "user", "assistant", "developer", "tool"}
+        out = []
+        for i, m in enumerate(self.messages):
+            if m.role not in allowed:
+                raise APIError(f"messages[{i}].role must be one of {sorted(allowed)}, got {m.role!r}.",
+                               param=f"messages.{i}.role")
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": m.text(i)})
+        return out
+
+    def effective_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, default_max_tokens: Optional[int] = None) -> SamplingParams:
+        self._check_common()
+        max_tokens = self.effective_max_tokens()
+        if max_tokens is not None and max_tokens < 1:
+            param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+            raise APIError(f"{param} must be >= 1, got {max_tokens}.", param=param)
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}.",
+                               param="top_logprobs")
+            if not self.logprobs:
+                raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
+        if self.tools:
+            raise APIError("tools / function calling is not supported by sparseserve yet.", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError("response_format other than {'type': 'text'} is not supported yet.",
+                           param="response_format")
+        if self.echo:
+            raise APIError("echo is not supported by sparseserve yet.", param="echo")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens if max_tokens is not None else default_max_tokens, logprobs)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: Optional[str] = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# --------------------------------------------------------------------------- models
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "sparseserve"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
