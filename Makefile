@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 run: setup
-	$(BIN)/sparseserve generate --chat "What is the capital of France? Answer in one sentence." --max-tokens 64
+	$(BIN)/sparseserve generate --chat "What is the capital of France?" "Write a haiku about the sea." --max-tokens 64
 
 test: setup
 	$(BIN)/python -m pytest tests -q
