@@ -54,14 +54,22 @@ class ModelRunner:
             model.load_weights(iter_weights(source, mc))
         self.model = model.eval()
 
-        self.kv = KVCacheTensors(self.num_layers, cfg.cache.num_pages, self.page_size,
+        # one extra page and one extra row: the scratch that CUDA-graph padding lanes use
+        self.kv = KVCacheTensors(self.num_layers, cfg.cache.num_pages + 1, self.page_size,
                                  mc.head_dim, self.dtype, self.device)
         rows = cfg.scheduler.max_num_seqs
-        self.page_table = torch.zeros((rows, self.num_kv_heads, self.max_blocks),
+        self.scratch_row = rows
+        self.page_table = torch.zeros((rows + 1, self.num_kv_heads, self.max_blocks),
                                       dtype=torch.int32, device=self.device)
+        self.page_table[self.scratch_row] = cfg.cache.num_pages
         self.row_params: dict[int, SamplingParams] = {}
         self.saved_hidden: dict[str, torch.Tensor] = {}  # layer-segmented prefill state
         self.sampler = Sampler(self.device, cfg.seed)
+        self.graphs = None
+        if self.device.type == "cuda" and not cfg.enforce_eager:
+            from sparseserve.worker.cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self, rows)
+            self.graphs.capture()
 
     # ---- step -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -89,6 +97,11 @@ class ModelRunner:
         positions = _to_device(pos, torch.long, dev)
         token_rows = _to_device(rows, torch.long, dev)
 
+        if self.graphs is not None and all(c.is_decode for c in chunks) \
+                and self.graphs.bucket(len(chunks)) is not None:
+            logits = self.graphs.run(input_ids, positions, token_rows)
+            return self._sample(chunks, logits, t0)
+
         h = self._initial_hidden(chunks, offsets, input_ids)
         for a, b in _layer_intervals(chunks):
             active = [i for i, c in enumerate(chunks) if c.layer_start <= a and c.layer_end >= b]
@@ -110,7 +123,11 @@ class ModelRunner:
                 self.saved_hidden[c.request_id] = h[off:off + c.num_tokens].clone()
             else:
                 self.saved_hidden.pop(c.request_id, None)
-        return self._sample(chunks, offsets, h, t0)
+        sampling_rows = [off + c.num_tokens - 1 for c, off in zip(chunks, offsets) if c.sample]
+        if not sampling_rows:
+            return RunnerOutput(host_time_s=time.perf_counter() - t0)
+        logits = self.model.compute_logits(h[torch.tensor(sampling_rows, device=self.device)])
+        return self._sample(chunks, logits, t0)
 
     def _initial_hidden(self, chunks: list[ScheduledChunk], offsets: list[int],
                         input_ids: torch.Tensor) -> torch.Tensor:
@@ -139,21 +156,17 @@ class ModelRunner:
         return ForwardContext(self.kv, self.page_table, rows, positions, num_decode, prefills,
                               self.scale, decode_width=width)
 
-    def _sample(self, chunks: list[ScheduledChunk], offsets: list[int], h: torch.Tensor,
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
                 t0: float) -> RunnerOutput:
-        sampling = [(c, off + c.num_tokens - 1) for c, off in zip(chunks, offsets) if c.sample]
+        """logits [N, vocab] fp32: one row per chunk with `sample`, in chunk order."""
+        sampling = [c for c in chunks if c.sample]
         result = RunnerOutput()
-        if not sampling:
-            result.host_time_s = time.perf_counter() - t0
-            return result
-        last_rows = torch.tensor([r for _, r in sampling], device=self.device)
-        logits = self.model.compute_logits(h[last_rows])
-        batch = SamplingBatch(params=[self.row_params[c.row] for c, _ in sampling],
-                              num_output_tokens=[c.num_output_tokens for c, _ in sampling])
+        batch = SamplingBatch(params=[self.row_params[c.row] for c in sampling],
+                              num_output_tokens=[c.num_output_tokens for c in sampling])
         s = self.sampler(logits, batch)
         result.host_time_s = time.perf_counter() - t0
         tokens = s.token_ids.tolist()  # the step's one host sync
-        for (c, _), tok in zip(sampling, tokens):
+        for c, tok in zip(sampling, tokens):
             result.token_ids[c.request_id] = tok
         if s.sampled_logprob is not None:
             self._collect_logprobs(result, sampling, batch, s)
@@ -165,7 +178,7 @@ class ModelRunner:
         rank = s.sampled_rank.tolist()
         top_lp = s.top_logprobs.tolist() if s.top_logprobs is not None else None
         top_id = s.top_ids.tolist() if s.top_ids is not None else None
-        for i, ((c, _), params) in enumerate(zip(sampling, batch.params)):
+        for i, (c, params) in enumerate(zip(sampling, batch.params)):
             if params.logprobs is None:
                 continue
             entry = {}

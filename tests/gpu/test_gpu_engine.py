@@ -1,0 +1,42 @@
+"""GPU path (runs only where CUDA is available): Triton paged decode, CUDA-graph decode and
+SDPA prefill agree with transformers and with eager mode."""
+import pytest
+import torch
+
+from sparseserve import LLM, SamplingParams
+from tests.model.test_vs_transformers import check_against_hf
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+PROMPTS = [[5], [7 + i % 300 for i in range(17)], [11 + (i * 7) % 300 for i in range(54)],
+           [3 + (i * 13) % 310 for i in range(97)]]
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "llama-mha", "qwen2"])
+def test_gpu_fp32_matches_transformers(tiny_model_dirs, kind):
+    path, hf_model = tiny_model_dirs[kind]
+    llm = LLM(path, device="cuda", dtype="float32", page_size=16, max_num_seqs=4,
+              kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    assert llm.engine.runner.graphs is not None
+    check_against_hf(llm, hf_model, PROMPTS, atol=5e-3)
+
+
+def test_cuda_graphs_equal_eager(tiny_model_dirs):
+    path, _ = tiny_model_dirs["llama-gqa"]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS * 3]
+    kw = dict(device="cuda", dtype="bfloat16", page_size=16, max_num_seqs=16,
+              kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    graph = LLM(path, **kw).generate(prompts, params, use_tqdm=False)
+    eager = LLM(path, enforce_eager=True, **kw).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in graph] == [o.outputs[0].token_ids for o in eager]
+
+
+def test_dummy_llama3_shape_runs(tmp_path):
+    llm = LLM("llama-3-8b", load_format="dummy", max_model_len=2048, max_num_seqs=8,
+              kv_cache_memory_bytes=4 << 30)
+    outs = llm.generate([{"prompt_token_ids": list(range(1, 1000))}] * 3,
+                        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    llm.engine.check_invariants()
