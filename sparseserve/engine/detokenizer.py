@@ -40,6 +40,16 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.tokens)
         return self._append(new)
 
+    def flush(self) -> str:
+        """At the end of a request: emit held-back text, even an incomplete character, so the
+        final text equals decoding all output tokens at once."""
+        if self.tokenizer is None or self.read_offset == len(self.tokens) or self.stopped_by:
+            return ""
+        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        return self._append(full[len(prefix):]) if len(full) > len(prefix) else ""
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special,
                                      clean_up_tokenization_spaces=False)

@@ -181,6 +181,7 @@ class LLMEngine:
         elif n_out >= req.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
+            detok.flush()
             req.finished_time = now
             self.scheduler.finish(req, status)
 

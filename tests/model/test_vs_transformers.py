@@ -49,14 +49,14 @@ def test_tiny_models_match_transformers(tiny_model_dirs, kind):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(smollm2_llm):
     from sparseserve.model.loader import resolve_model_source
     src = resolve_model_source(None)
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(src.path),
                                               gguf_file=os.path.basename(src.path),
                                               dtype=torch.float32).eval()
-    return LLM(max_num_seqs=4), hf
+    return smollm2_llm, hf
 
 
 def test_smollm2_gguf_matches_transformers(smollm2):

@@ -1,0 +1,69 @@
+"""The offline API on the embedded SmolLM2: stop conditions, n, logprobs, chat, text."""
+from sparseserve import SamplingParams
+
+
+def test_stop_string_truncates_and_can_be_included(smollm2_llm):
+    llm = smollm2_llm
+    base = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=24))[0]
+    text = base.outputs[0].text
+    assert " 5" in text, text  # the model counts on
+    cut = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=24,
+                                                          stop=[" 5"]))[0].outputs[0]
+    assert cut.text == text[:text.index(" 5")]
+    assert cut.finish_reason == "stop" and cut.stop_reason == " 5"
+    inc = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=24, stop=" 5",
+                                                          include_stop_str_in_output=True))
+    assert inc[0].outputs[0].text == text[:text.index(" 5") + 2]
+
+
+def test_stop_token_ids_and_eos(smollm2_llm):
+    llm = smollm2_llm
+    tok = llm.get_tokenizer()
+    base = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=12))[0]
+    ids = base.outputs[0].token_ids
+    stop_id = ids[3]
+    out = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=12,
+                                                          stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == ids[:ids.index(stop_id) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    # the chat model ends its answer with <|im_end|> (eos); ignore_eos runs to max_tokens
+    chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert chat.finish_reason == "stop" and chat.token_ids[-1] == tok.eos_token_id
+    assert "Paris" in chat.text
+    full = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+    assert len(full.token_ids) == 40 and full.finish_reason == "length"
+
+
+def test_n_samples_logprobs_and_text_consistency(smollm2_llm):
+    llm = smollm2_llm
+    tok = llm.get_tokenizer()
+    out = llm.generate("My favourite food is", SamplingParams(n=3, temperature=1.0, seed=3,
+                                                              max_tokens=16, logprobs=2))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    for o in out.outputs:
+        # incremental detokenization equals decoding all tokens at once
+        assert o.text == tok.decode(o.token_ids, skip_special_tokens=True)
+        assert len(o.logprobs) == len(o.token_ids)
+        for t, lp in zip(o.token_ids, o.logprobs):
+            assert t in lp and len(lp) in (2, 3) and lp[t].logprob <= 0
+            assert sorted(v.rank for k, v in lp.items() if k != t or v.rank <= 2)[0] == 1
+    again = llm.generate("My favourite food is", SamplingParams(n=3, temperature=1.0, seed=3,
+                                                                max_tokens=16))[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
+
+
+def test_unicode_streams_whole_characters(smollm2_llm):
+    llm = smollm2_llm
+    tok = llm.get_tokenizer()
+    ids = tok.encode("Café 東京 🙂 naïve")
+    out = llm.generate({"prompt_token_ids": tok.encode("Say:")},
+                       SamplingParams(temperature=0, max_tokens=4))[0]
+    assert "\ufffd" not in out.outputs[0].text
+    from sparseserve.engine.detokenizer import IncrementalDetokenizer
+    d = IncrementalDetokenizer(tok, [], [], False, True)
+    pieces = [d.add(t) for t in ids]
+    assert "".join(pieces) == "Café 東京 🙂 naïve"
+    assert all("\ufffd" not in p for p in pieces)
