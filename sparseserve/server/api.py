@@ -22,7 +22,8 @@ from sparseserve.server.async_engine import AsyncLLMEngine
 from sparseserve.server.errors import APIError, error_body, unauthorized, validation_error
 from sparseserve.server.metrics import ServerMetrics
 from sparseserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from sparseserve.server.serving import DEFAULT_MAX_N, ServingContext
+from sparseserve.server.serve_cli import DEFAULT_MAX_N
+from sparseserve.server.serving import ServingContext
 from sparseserve.server.serving_chat import create_chat_completion
 from sparseserve.server.serving_completions import create_completion
 

@@ -200,10 +200,14 @@ class AsyncLLMEngine:
             self._cmds.put(("add", rid, prompt, params, arrival, loop, sink, fut, n, max_tokens))
         stream = GenerationStream(self, [rid for rid, _ in prompts], sink)
         try:
-            await asyncio.gather(*futures)
-        except BaseException:
+            results = await asyncio.gather(*futures, return_exceptions=True)
+        except BaseException:  # cancelled (the client went away while we waited)
             stream.abort()
             raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            stream.abort()
+            raise errors[0]
         return stream
 
     def abort(self, request_ids: list[str]) -> None:

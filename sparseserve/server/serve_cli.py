@@ -15,6 +15,7 @@ import threading
 from typing import Any, Optional
 
 API_KEY_ENV = "SPARSESERVE_API_KEY"
+DEFAULT_MAX_N = 16  # largest `n` a request may ask for unless --max-n says otherwise
 
 
 def add_serve_args(subparsers: Any) -> argparse.ArgumentParser:
@@ -30,8 +31,6 @@ def add_serve_args(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def add_server_flags(p: argparse.ArgumentParser) -> None:
-    from sparseserve.server.serving import DEFAULT_MAX_N
-
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="HF directory, .gguf file or dummy config name (default: the embedded "
                         "SmolLM2-135M-Instruct); same as --model")
@@ -64,6 +63,14 @@ def _chat_template(value: Optional[str]) -> Optional[str]:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the engine, build the app and serve until SIGTERM/SIGINT. Returns the exit code."""
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        print(f"error: sparseserve serve needs the server extras ({e}); "
+              "pip install 'sparseserve[server]'", file=sys.stderr)
+        return 2
     from sparseserve.engine.args import EngineArgs
     from sparseserve.engine.llm_engine import LLMEngine
     from sparseserve.server.api import create_app
@@ -102,15 +109,18 @@ def serve_app(app: Any, host: str, port: int, log_level: str = "info",
                             timeout_graceful_shutdown=int(max(1, graceful_timeout_s)))
     server = uvicorn.Server(config)
     # uvicorn re-raises the captured signal once it has shut down, with the handler that was
-    # installed before it started: make that handler a no-op so SIGTERM ends with exit code 0.
-    previous = None
+    # installed before it started: make those handlers no-ops so that SIGTERM (and Ctrl-C)
+    # end with exit code 0 after the graceful shutdown. (While uvicorn runs, its own handlers
+    # are in place: a second Ctrl-C still forces the exit.)
+    previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, lambda *_: None)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, lambda *_: None)
     try:
         server.run()
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0 if server.started else 1
 
 

@@ -11,13 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from sparseserve.server.async_engine import (AsyncLLMEngine, EngineDeadError, EngineOverloadedError,
-                                             GenerationStream)
+from sparseserve.server.async_engine import (Aborted, AsyncLLMEngine, EngineDeadError,
+                                             EngineOverloadedError, GenerationStream)
 from sparseserve.server.errors import APIError, engine_dead, overloaded
+from sparseserve.server.protocol import random_id
+from sparseserve.server.serve_cli import DEFAULT_MAX_N
+from sparseserve.server.streaming import until_disconnected
 
 logger = logging.getLogger("sparseserve.server")
-
-DEFAULT_MAX_N = 16
 
 
 @dataclass
@@ -30,6 +31,50 @@ class Prompt:
         if self.text is not None:
             d["prompt"] = self.text
         return d
+
+
+class FinalOutputs:
+    """Last output per engine request, remembering which ones the engine side aborted."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        self.request_ids = request_ids
+        self.last: dict[str, Any] = {}
+        self.aborted: set[str] = set()
+
+    async def collect(self, stream: GenerationStream) -> "FinalOutputs":
+        async with stream:
+            async for rid, out in stream:
+                if isinstance(out, Aborted):
+                    self.aborted.add(rid)
+                else:
+                    self.last[rid] = out
+        return self
+
+    def choices(self, rid: str, n: int) -> list[tuple[int, str, list[int], Any, Optional[str], Any]]:
+        """(index, text, token_ids, logprobs, finish_reason, stop_reason) for each of n samples."""
+        out = self.last.get(rid)
+        by_index = {o.index: o for o in out.outputs} if out is not None else {}
+        rows = []
+        for i in range(n):
+            o = by_index.get(i)
+            if o is None:
+                rows.append((i, "", [], None, "abort", None))
+                continue
+            reason = o.finish_reason or ("abort" if rid in self.aborted else None)
+            rows.append((i, o.text, list(o.token_ids), o.logprobs, reason, o.stop_reason))
+        return rows
+
+    def usage(self, prompts: list[Prompt]) -> dict[str, int]:
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        completion = sum(len(o.token_ids) for out in self.last.values() for o in out.outputs)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion}
+
+
+def request_ids(prefix: str, count: int) -> tuple[str, list[str]]:
+    """A response id and one engine request id per prompt."""
+    base = random_id(prefix)
+    return base, ([base] if count == 1 else [f"{base}-{i}" for i in range(count)])
 
 
 class ServingContext:
@@ -139,6 +184,14 @@ class ServingContext:
         return self.tokenizer.decode([token_id])
 
     # ------------------------------------------------------------------ engine
+
+    async def collect(self, raw: Any, stream: GenerationStream) -> Any:
+        """Final outputs of a non-streaming request (None if the client went away first)."""
+        try:
+            return await until_disconnected(raw, FinalOutputs(stream.request_ids).collect(stream),
+                                            stream.abort)
+        except EngineDeadError as e:
+            raise engine_dead(str(e)) from e
 
     async def submit(self, prompts: list[tuple[str, Prompt]], params: Any, arrival: float,
                      n: int, max_tokens: Optional[int]) -> GenerationStream:

@@ -12,9 +12,8 @@ from sparseserve.server.async_engine import Aborted, EngineDeadError, Generation
 from sparseserve.server.errors import APIError, engine_dead
 from sparseserve.server.logprobs import chat_logprobs
 from sparseserve.server.protocol import ChatCompletionRequest
-from sparseserve.server.serving import Prompt, ServingContext
-from sparseserve.server.serving_completions import FinalOutputs, request_ids
-from sparseserve.server.streaming import DONE, SSEResponse, TextDeltas, sse, until_disconnected
+from sparseserve.server.serving import Prompt, ServingContext, request_ids
+from sparseserve.server.streaming import DONE, SSEResponse, TextDeltas, sse
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -33,7 +32,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if req.stream:
         return SSEResponse(_stream(ctx, req, stream, base, prompt, model, created), on_close=stream.abort)
 
-    final = await until_disconnected(raw, FinalOutputs(rids).collect(stream), stream.abort)
+    final = await ctx.collect(raw, stream)
     if final is None:
         return Response(status_code=499)
     k = params.logprobs

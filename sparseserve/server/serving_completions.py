@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -10,52 +10,9 @@ from starlette.responses import JSONResponse, Response
 from sparseserve.server.async_engine import Aborted, EngineDeadError, GenerationStream
 from sparseserve.server.errors import APIError, engine_dead
 from sparseserve.server.logprobs import completion_logprobs
-from sparseserve.server.protocol import CompletionRequest, random_id
-from sparseserve.server.serving import Prompt, ServingContext
-from sparseserve.server.streaming import DONE, SSEResponse, TextDeltas, sse, until_disconnected
-
-
-class FinalOutputs:
-    """Last output per engine request, remembering which ones the engine side aborted."""
-
-    def __init__(self, request_ids: list[str]) -> None:
-        self.request_ids = request_ids
-        self.last: dict[str, Any] = {}
-        self.aborted: set[str] = set()
-
-    async def collect(self, stream: GenerationStream) -> "FinalOutputs":
-        async with stream:
-            async for rid, out in stream:
-                if isinstance(out, Aborted):
-                    self.aborted.add(rid)
-                else:
-                    self.last[rid] = out
-        return self
-
-    def choices(self, rid: str, n: int) -> list[tuple[int, str, list[int], Any, Optional[str], Any]]:
-        """(index, text, token_ids, logprobs, finish_reason, stop_reason) for each of n samples."""
-        out = self.last.get(rid)
-        by_index = {o.index: o for o in out.outputs} if out is not None else {}
-        rows = []
-        for i in range(n):
-            o = by_index.get(i)
-            if o is None:
-                rows.append((i, "", [], None, "abort", None))
-                continue
-            reason = o.finish_reason or ("abort" if rid in self.aborted else None)
-            rows.append((i, o.text, list(o.token_ids), o.logprobs, reason, o.stop_reason))
-        return rows
-
-    def usage(self, prompts: list[Prompt]) -> dict[str, int]:
-        prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        completion = sum(len(o.token_ids) for out in self.last.values() for o in out.outputs)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion}
-
-
-def request_ids(prefix: str, count: int) -> tuple[str, list[str]]:
-    base = random_id(prefix)
-    return base, ([base] if count == 1 else [f"{base}-{i}" for i in range(count)])
+from sparseserve.server.protocol import CompletionRequest
+from sparseserve.server.serving import Prompt, ServingContext, request_ids
+from sparseserve.server.streaming import DONE, SSEResponse, TextDeltas, sse
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
@@ -73,7 +30,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         return SSEResponse(_stream(ctx, req, stream, base, rids, prompts, model, created),
                            on_close=stream.abort)
 
-    final = await until_disconnected(raw, FinalOutputs(rids).collect(stream), stream.abort)
+    final = await ctx.collect(raw, stream)
     if final is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     k = params.logprobs

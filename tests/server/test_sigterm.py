@@ -71,7 +71,7 @@ def test_sigterm_graceful_exit_0(timeout, max_tokens, finishes):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
-    assert f"EXIT pages 4096/4096 unfinished=0" in out, out
+    assert "EXIT pages 4096/4096 unfinished=0" in out, out
     if finishes:
         events = sse_events(result["lines"])
         assert events[-1]["choices"][0]["finish_reason"] == "length"

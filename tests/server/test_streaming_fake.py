@@ -216,3 +216,41 @@ def test_metrics_move(start_fake_server):
     assert m("num_requests_running") == 0 and m("num_requests_waiting") == 0
     for gauge in ("kv_cache_usage_perc", "host_kv_cache_usage_perc"):
         assert m(gauge) == 0.0
+
+
+def test_token_id_prompts_and_continuous_usage(start_fake_server):
+    srv, _ = start_fake_server()
+    r = httpx.post(srv.base_url + "/v1/completions",
+                   json={"prompt": [[0, 100, 101], [0, 102]], "max_tokens": 3}).json()
+    assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+    events = stream_post(srv.base_url, "/v1/completions",
+                         {"prompt": [0, 100, 101], "max_tokens": 4,
+                          "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    running = [ev["usage"]["completion_tokens"] for ev in events[:-1]]
+    assert running == sorted(running) and running[-1] == 4
+    assert events[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_text_deltas_hold_back_possible_stop_prefix():
+    from sparseserve.server.streaming import TextDeltas
+
+    d = TextDeltas(["STOP"])
+    assert d.text_delta("abcdef", False) == "abc"   # "def" could start "STOP"... held back
+    assert d.text_delta("abcdefS", False) == "d"
+    # the engine cut the stop string that began in text it had returned: nothing is retracted
+    assert d.text_delta("abcdef", True) == "ef"
+    assert TextDeltas(None).text_delta("xyz", False) == "xyz"
+
+
+def test_dead_engine_fails_non_streaming_request_with_503(start_fake_server):
+    srv, engine = start_fake_server(engine_kwargs={"step_delay": 0.05})
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=30) as c:
+            task = asyncio.create_task(c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 100}))
+            await asyncio.sleep(0.3)
+            engine.fail_next_step = True
+            return await task
+
+    err = assert_openai_error(asyncio.run(run()), 503, code="engine_dead")
+    assert "injected engine failure" in err["message"]

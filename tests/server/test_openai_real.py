@@ -1,0 +1,247 @@
+"""The real `openai` client against a server running the real engine on the embedded
+SmolLM2-135M (CPU). The model loads once: the offline `LLM` computes reference outputs, then
+its engine is handed to the server, so "greedy output == LLM.generate" compares the same
+weights and the same engine."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from tests.server.helpers import assert_openai_error, metric, metric_samples  # noqa: E402
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 12
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="module")
+def real():
+    from sparseserve import LLM, SamplingParams
+    from sparseserve.server.api import create_app
+    from tests.server.conftest import ServerThread
+
+    llm = LLM(max_model_len=MAX_MODEL_LEN)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    ref = {
+        "completion": llm.generate([PROMPT], greedy, use_tqdm=False)[0],
+        "chat": llm.chat(CHAT, greedy, use_tqdm=False)[0],
+        "stop": llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=["\n"]),
+                             use_tqdm=False)[0],
+    }
+    app = create_app(llm.engine)
+    srv = ServerThread(app).start()
+    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    model = llm.engine.model_name
+    yield {"srv": srv, "app": app, "client": client, "model": model, "ref": ref, "engine": llm.engine}
+    srv.stop()
+
+
+def pages(real) -> tuple[int, int]:
+    """(free, total) pages, read on the engine-loop thread (the engine is not thread-safe)."""
+    async_engine = real["app"].state.engine
+
+    async def read():
+        return await async_engine.call(lambda e: (e.num_free_pages(), e.num_total_pages()))
+    return asyncio.run(read())
+
+
+def test_models_and_health(real):
+    models = real["client"].models.list()
+    assert [m.id for m in models.data] == [real["model"]]
+    assert httpx.get(real["srv"].base_url + "/health").status_code == 200
+
+
+def test_completion_greedy_equals_llm_generate(real):
+    ref = real["ref"]["completion"]
+    r = real["client"].completions.create(model=real["model"], prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                          temperature=0)
+    assert r.choices[0].text == ref.outputs[0].text
+    assert r.choices[0].finish_reason == ref.outputs[0].finish_reason
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completion_stream_with_usage(real):
+    ref = real["ref"]["completion"]
+    stream = real["client"].completions.create(model=real["model"], prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                               temperature=0, stream=True,
+                                               stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == ref.outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [ref.outputs[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_chat_greedy_equals_llm_chat_stream_and_not(real):
+    ref = real["ref"]["chat"]
+    client, model = real["client"], real["model"]
+    r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.outputs[0].text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    chunks = list(client.chat.completions.create(model=model, messages=CHAT, max_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.outputs[0].text
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_stop_and_logprobs(real):
+    client, model, ref = real["client"], real["model"], real["ref"]["stop"]
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                  stop=["\n"], logprobs=2)
+    assert r.choices[0].text == ref.outputs[0].text and "\n" not in r.choices[0].text
+    assert r.choices[0].finish_reason == ref.outputs[0].finish_reason
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    assert all(x <= 0 for x in lp.token_logprobs) and all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+    c = client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    assert "".join(t.token for t in content) == c.choices[0].message.content
+
+
+def test_sampling_n_seed_top_k_top_p(real):
+    client, model = real["client"], real["model"]
+    kw = dict(model=model, prompt=PROMPT, max_tokens=6, temperature=0.9, top_p=0.9, n=2, seed=1234,
+              extra_body={"top_k": 40})
+    a = client.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1]
+    assert 2 <= a.usage.completion_tokens <= 12
+    b = client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+
+
+def test_bad_input_on_real_engine(real):
+    base, model = real["srv"].base_url, real["model"]
+    long_prompt = "hello " * (MAX_MODEL_LEN + 10)
+    err = assert_openai_error(httpx.post(base + "/v1/completions", json={"model": model, "prompt": long_prompt}),
+                              400, param="prompt", code="context_length_exceeded")
+    assert str(MAX_MODEL_LEN) in err["message"]
+    assert_openai_error(httpx.post(base + "/v1/completions", json={"model": "gpt-4o", "prompt": "x"}),
+                        400, param="model", code="model_not_found")
+    with pytest.raises(openai.BadRequestError):
+        real["client"].completions.create(model=model, prompt=PROMPT, max_tokens=0)
+    with pytest.raises(openai.BadRequestError):
+        real["client"].chat.completions.create(model=model, messages=CHAT, temperature=-1)
+
+
+async def _client(client, model: str, i: int, disconnect: bool) -> str:
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": f"Count to ten, run {i}."}],
+        max_tokens=40 if disconnect else 8, temperature=0, stream=True)
+    got = 0
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            got += 1
+            if disconnect and got >= 2:
+                await stream.close()  # drop the connection mid-stream
+                return "dropped"
+        if chunk.choices and chunk.choices[0].finish_reason:
+            return chunk.choices[0].finish_reason
+    return "no-finish"
+
+
+def test_32_concurrent_streams_quarter_disconnect(real):
+    base = real["srv"].base_url
+    before = metric_samples(httpx.get(base + "/metrics").text)
+    done_before = metric(before, "sparseserve:request_success_total")
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300,
+                                    http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=64)))
+        try:
+            return await asyncio.gather(*[_client(client, real["model"], i, disconnect=(i % 4 == 0))
+                                          for i in range(32)])
+        finally:
+            await client.close()
+
+    results = asyncio.run(run())
+    assert results.count("dropped") == 8
+    assert all(r in ("length", "stop") for i, r in enumerate(results) if i % 4), results
+
+    deadline = time.time() + 60
+    while True:  # every request is finished or aborted, every page back in its pool
+        after = metric_samples(httpx.get(base + "/metrics").text)
+        settled = metric(after, "sparseserve:request_success_total") - done_before == 32
+        free, total = pages(real)
+        if settled and free == total and metric(after, "sparseserve:num_requests_running") == 0:
+            break
+        assert time.time() < deadline, (free, total, metric(after, "sparseserve:request_success_total"))
+        time.sleep(0.2)
+    assert metric(after, "sparseserve:request_success_total", finished_reason="abort") - \
+        metric(before, "sparseserve:request_success_total", finished_reason="abort") == 8
+    assert httpx.get(base + "/health").status_code == 200
+    r = real["client"].completions.create(model=real["model"], prompt=PROMPT, max_tokens=2, temperature=0)
+    assert r.choices[0].text
+
+
+def test_metrics_counters_move(real):
+    base = real["srv"].base_url
+    before = metric_samples(httpx.get(base + "/metrics").text)
+    real["client"].completions.create(model=real["model"], prompt=PROMPT, max_tokens=5, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    after = metric_samples(httpx.get(base + "/metrics").text)
+    d = lambda name, **kw: metric(after, name, **kw) - metric(before, name, **kw)  # noqa: E731
+    assert d("sparseserve:generation_tokens_total") == 5
+    assert d("sparseserve:prompt_tokens_total") == len(real["ref"]["completion"].prompt_token_ids)
+    assert d("sparseserve:request_success_total", finished_reason="length") == 1
+    assert d("sparseserve:time_to_first_token_seconds_count") == 1
+    assert d("sparseserve:inter_token_latency_seconds_count") == 4
+    assert d("sparseserve:e2e_request_latency_seconds_count") == 1
+    assert d("sparseserve:request_queue_time_seconds_count") == 1
+    assert metric(after, "sparseserve:kv_cache_usage_perc") == 0.0  # idle: nothing resident
+
+
+def test_cli_serve_api_key_and_sigterm(tmp_path):
+    """`python -m sparseserve.cli serve` end to end: the embedded model, the API key from the
+    environment, one request, then SIGTERM -> exit code 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.server.conftest import free_port
+    from tests.server.test_sigterm import ROOT
+
+    port = free_port()
+    env = dict(os.environ, SPARSESERVE_API_KEY="test-key")
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "sparseserve.cli", "serve", "--port", str(port),
+                             "--max-model-len", "512", "--served-model-name", "smol"],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 150
+        while True:
+            assert proc.poll() is None, open(tmp_path / "serve.log").read()
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.25)
+        assert_openai_error(httpx.post(base + "/v1/completions", json={"prompt": "x"}), 401)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="test-key", max_retries=0, timeout=120)
+        r = client.completions.create(model="smol", prompt=PROMPT, max_tokens=4, temperature=0)
+        assert r.model == "smol" and r.usage.completion_tokens >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, open(tmp_path / "serve.log").read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
