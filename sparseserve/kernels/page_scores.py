@@ -65,7 +65,8 @@ def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None):
 
     Args:
         q:          [B, Hq, D]          decode queries, Hq = Hkv * G (last dim contiguous)
-        kmin, kmax: [S, D]              per-page channel min / max (summary rows, last dim contiguous)
+        kmin, kmax: [S, D]              per-page channel min / max (summary rows; last dim
+                                        contiguous)
         kradius:    [S, D] or None      ArkVale radius (required for mode "arkvale")
         page_table: [B, Hkv, W] int32   candidate pages (summary rows); entries >= num_pages ignored
         num_pages:  [B, Hkv] int32      valid entries of page_table[b, h]

@@ -30,7 +30,8 @@ def _valid_token_mask(num_pages: torch.Tensor, last_page_len: torch.Tensor, W: i
     return (w < n) & ((w < n - 1) | (t < last))
 
 
-def paged_decode_attention(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale, out=None):
+def paged_decode_attention(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale,
+                           out=None):
     """Decode attention (one query token per request) over a list of KV pages per KV head.
 
     Args:
@@ -55,7 +56,7 @@ def paged_decode_attention(q, k_cache, v_cache, page_table, num_pages, last_page
     G = Hq // Hkv
     valid = _valid_token_mask(num_pages, last_page_len, W, page_size)          # [B, Hkv, W, ps]
     entry_ok = valid[..., 0]                                                   # [B, Hkv, W]
-    ids = torch.where(entry_ok, page_table.to(torch.long), torch.zeros_like(page_table, dtype=torch.long))
+    ids = torch.where(entry_ok, page_table.to(torch.long), 0)                   # [B, Hkv, W]
     k = k_cache[ids].float().reshape(B, Hkv, W * page_size, D)                 # [B, Hkv, N, D]
     v = v_cache[ids].float().reshape(B, Hkv, W * page_size, D)                 # [B, Hkv, N, D]
     qf = q.float().view(B, Hkv, G, D)                                          # [B, Hkv, G, D]
@@ -63,7 +64,7 @@ def paged_decode_attention(q, k_cache, v_cache, page_table, num_pages, last_page
     mask = valid.reshape(B, Hkv, 1, W * page_size)
     s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s, dim=-1)
-    v = v.masked_fill(~mask.transpose(-1, -2), 0.0)                            # garbage V never leaks
+    v = v.masked_fill(~mask.transpose(-1, -2), 0.0)            # garbage V never leaks (0 * NaN)
     o = torch.einsum("bhgn,bhnd->bhgd", p, v).reshape(B, Hq, D).to(q.dtype)
     if out is None:
         return o
@@ -122,7 +123,7 @@ def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None):
     _, Hkv, W = page_table.shape
     G = Hq // Hkv
     ok = torch.arange(W, device=q.device).view(1, 1, W) < num_pages.to(torch.long).unsqueeze(-1)
-    ids = torch.where(ok, page_table.to(torch.long), torch.zeros_like(page_table, dtype=torch.long))
+    ids = torch.where(ok, page_table.to(torch.long), 0)                        # [B, Hkv, W]
     hi = kmax[ids].float()                                                     # [B, Hkv, W, D]
     lo = kmin[ids].float()
     if mode == "arkvale":

@@ -6,9 +6,43 @@ import math
 import pytest
 import torch
 
-from sparseserve.kernels import paged_decode_attention as dispatch_decode
+from sparseserve.kernels import paged_decode_attention as _dispatch_decode
 from sparseserve.kernels import ref
-from sparseserve.kernels.paged_decode import default_num_splits, paged_decode_attention
+from sparseserve.kernels.paged_decode import default_num_splits
+from sparseserve.kernels.paged_decode import paged_decode_attention as _triton_decode
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _on_dev(fn):
+    """Run a Triton entry point on DEV (Triton's interpreter on CPU-only machines): CPU tensor
+    arguments travel to DEV and back (in-place outputs included); results come back on CPU."""
+    if DEV == "cpu":
+        return fn
+
+    def run(*args, **kwargs):
+        pairs = []
+
+        def mv(a):
+            if not torch.is_tensor(a) or a.device.type == DEV:
+                return a
+            d = a.to(DEV)
+            pairs.append((a, d))
+            return d
+
+        res = fn(*[mv(a) for a in args], **{k: mv(v) for k, v in kwargs.items()})
+        for a, d in pairs:
+            a.copy_(d)
+        for a, d in pairs:
+            if torch.is_tensor(res) and res.data_ptr() == d.data_ptr():
+                return a
+        return res.cpu() if torch.is_tensor(res) and pairs else res
+
+    return run
+
+
+paged_decode_attention = _on_dev(_triton_decode)
+dispatch_decode = _on_dev(_dispatch_decode)
 
 ODD = (1, 17, 54, 97)
 GARBAGE = (-7, 2**30, 123456789)
@@ -101,7 +135,7 @@ def test_dense_long_4097(Hq, Hkv, D, ps):
     q = torch.randn(1, Hq, D, generator=gen)
     scale = D ** -0.5
     W = table.shape[-1]
-    assert default_num_splits(W) > 1        # the default path for a long list is split-K
+    assert default_num_splits(1, Hkv, W, 4) > 1        # the default path for B=1 is split-K
     out = paged_decode_attention(q, kc, vc, table, npg, last, scale)
     _check(out, _dense_attention(q, ks, vs, scale))
     _check(out, ref.paged_decode_attention(q, kc, vc, table, npg, last, scale))
@@ -198,3 +232,14 @@ def test_bf16_cuda(Hq, Hkv, D, ps):
         out = paged_decode_attention(q, kc, vc, table, npg, last, D ** -0.5, num_splits=ns)
         err = (out.double().cpu() - expect).norm() / expect.norm()
         assert err < 1e-2, (ns, err.item())
+
+
+def test_default_num_splits_is_shape_only_and_bounded():
+    assert default_num_splits(1, 8, 4096, 2) == 64            # one long request fills the GPU
+    assert default_num_splits(1, 8, 64, 2) == 32              # one sparse request: 1 iter/split
+    assert default_num_splits(256, 8, 64, 2) == 1             # big batches run unsplit
+    assert default_num_splits(64, 8, 4096, 2) == 1
+    assert default_num_splits(32, 8, 256, 2) == 4
+    assert default_num_splits(4, 2, 1, 4) == 1                # never more splits than iterations
+    for B in (1, 3, 64, 1000):
+        assert B * 8 * default_num_splits(B, 8, 10**6, 2) <= max(B * 8, 132 * 8)
