@@ -123,11 +123,27 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SparseConfig:
+    """Dynamic sparse decode attention (DESIGN.md §4). algorithm "dense" = full attention."""
+
+    algorithm: str = "dense"
+    token_budget: int = 2048  # tokens attended per (request, layer, KV head), kept pages included
+    sink_pages: int = 1  # first pages always attended
+    local_pages: int = 2  # last pages (incl. the partial one) always attended
+    dense_layers: int = 0  # the first layers stay dense
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm != "dense"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     load: LoadConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
+    sparse: SparseConfig = field(default_factory=SparseConfig)
     device: str = "cpu"  # "cpu" | "cuda"
     dtype: str = "float32"  # compute dtype name of torch ("float32", "bfloat16", "float16")
     seed: int = 0

@@ -6,7 +6,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from sparseserve.config import CacheConfig, EngineConfig, LoadConfig, ModelConfig, SchedulerConfig
+from sparseserve.config import (CacheConfig, EngineConfig, LoadConfig, ModelConfig,
+                                SchedulerConfig, SparseConfig)
 
 logger = logging.getLogger("sparseserve")
 
@@ -32,6 +33,11 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     enforce_eager: bool = False
+    sparse_algorithm: str = "dense"
+    token_budget: int = 2048
+    sink_pages: int = 1
+    local_pages: int = 2
+    dense_layers: int = 0
 
     # ---- CLI ------------------------------------------------------------------------------
     @staticmethod
@@ -61,6 +67,16 @@ class EngineArgs:
                             default=d.gpu_memory_utilization)
         parser.add_argument("--seed", type=int, default=d.seed)
         parser.add_argument("--enforce-eager", action="store_true")
+        from sparseserve.sparse import available_algorithms
+        parser.add_argument("--sparse-algorithm", default=d.sparse_algorithm,
+                            choices=available_algorithms(),
+                            help="decode attention: dense, or a dynamic sparse algorithm")
+        parser.add_argument("--token-budget", type=int, default=d.token_budget,
+                            help="tokens attended per (request, layer, KV head) in sparse decode")
+        parser.add_argument("--sink-pages", type=int, default=d.sink_pages)
+        parser.add_argument("--local-pages", type=int, default=d.local_pages)
+        parser.add_argument("--dense-layers", type=int, default=d.dense_layers,
+                            help="the first N layers keep dense attention")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
@@ -109,6 +125,7 @@ class EngineArgs:
         batched = self.max_num_batched_tokens
         if not self.enable_chunked_prefill and batched < max_len:
             batched = max_len  # without chunking a whole prompt must fit in one step
+        sparse = self._sparse_config(mc)
         cfg = EngineConfig(
             model=mc,
             load=LoadConfig(model=source.path or source.name, load_format=source.kind,
@@ -120,9 +137,30 @@ class EngineArgs:
                                       max_num_batched_tokens=batched, max_model_len=max_len,
                                       enable_chunked_prefill=self.enable_chunked_prefill,
                                       prefill_layers_per_step=self.prefill_layers_per_step),
-            device=device, dtype=dtype, seed=self.seed, enforce_eager=self.enforce_eager,
+            sparse=sparse, device=device, dtype=dtype, seed=self.seed,
+            enforce_eager=self.enforce_eager,
         )
         return cfg, source
+
+    def _sparse_config(self, mc: ModelConfig) -> SparseConfig:
+        from sparseserve.sparse import get_algorithm_class
+        get_algorithm_class(self.sparse_algorithm)  # raises with the list of algorithms
+        if self.token_budget % self.page_size or self.token_budget < 2 * self.page_size:
+            raise ValueError(f"token_budget ({self.token_budget}) must be a multiple of "
+                             f"page_size ({self.page_size}) and at least two pages.")
+        budget_pages = self.token_budget // self.page_size
+        if self.sink_pages < 0 or self.local_pages < 1:
+            raise ValueError("sink_pages must be >= 0 and local_pages >= 1 (the partial last "
+                             "page is always attended).")
+        if self.sink_pages + self.local_pages > budget_pages:
+            raise ValueError(f"sink_pages + local_pages ({self.sink_pages + self.local_pages}) "
+                             f"exceed the token budget of {budget_pages} pages; raise "
+                             "token_budget or keep fewer pages.")
+        if not 0 <= self.dense_layers <= mc.num_hidden_layers:
+            raise ValueError(f"dense_layers must be in [0, {mc.num_hidden_layers}].")
+        return SparseConfig(algorithm=self.sparse_algorithm, token_budget=self.token_budget,
+                            sink_pages=self.sink_pages, local_pages=self.local_pages,
+                            dense_layers=self.dense_layers)
 
     def _kv_bytes(self, device: str, mc: ModelConfig, dtype: str) -> int:
         if self.kv_cache_memory_bytes is not None:

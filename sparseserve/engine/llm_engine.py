@@ -35,8 +35,7 @@ class LLMEngine:
 
         self.config, self.source = args.create_engine_config()
         self.model_name = self.source.name
-        self.tokenizer = load_tokenizer(self.source) if args.tokenizer is None else \
-            _load_tokenizer_path(args.tokenizer)
+        self.tokenizer = load_tokenizer(self.source, tokenizer=args.tokenizer)
         self.runner = ModelRunner(self.config, self.source)
         mc = self.config.model
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache,
@@ -131,6 +130,8 @@ class LLMEngine:
         sched = self.scheduler
         out = sched.schedule()
         if out.is_empty:
+            if out.freed_rows:
+                self.runner.execute(out)  # let the worker drop state of aborted requests
             if sched.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests waiting; the KV "
                                    "cache is too small for a single request.")
@@ -174,10 +175,10 @@ class LLMEngine:
         status = None
         if detok.stopped_by is not None:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stopped_by
-        elif n_out >= params.min_tokens and (
-                (not params.ignore_eos and tok in req.eos_token_ids)
-                or tok in params.stop_token_ids):
+        elif n_out >= params.min_tokens and tok in params.stop_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+        elif n_out >= params.min_tokens and not params.ignore_eos and tok in req.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED  # stop_reason None on EOS, as in vLLM
         elif n_out >= req.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
@@ -252,7 +253,3 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     import dataclasses
     return dataclasses.replace(params, seed=seed)
 
-
-def _load_tokenizer_path(path: str):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)

@@ -41,7 +41,7 @@ class DecodeGraphs:
     def _forward(self, b: int) -> torch.Tensor:
         r = self.runner
         ctx = ForwardContext(r.kv, r.page_table, self.rows[:b], self.positions[:b], b, [],
-                             r.scale)
+                             r.scale, sparse=r.sparse)
         h = r.model.embed(self.input_ids[:b])
         h = r.model.run_layers(h, self.positions[:b], ctx, 0, r.num_layers)
         return r.model.compute_logits(h)

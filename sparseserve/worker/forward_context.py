@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from sparseserve.kernels import paged_decode_attention
+from sparseserve.worker.sparse_runtime import SparseRuntime
 
 
 @dataclass
@@ -45,8 +46,11 @@ class ForwardContext:
 
     def __init__(self, kv: KVCacheTensors, page_table: torch.Tensor, rows: torch.Tensor,
                  positions: torch.Tensor, num_decode: int, prefills: list[PrefillSeq],
-                 scale: float, decode_width: int | None = None) -> None:
+                 scale: float, decode_width: int | None = None,
+                 sparse: SparseRuntime | None = None) -> None:
         self.kv = kv
+        self.sparse = sparse
+        self.on_select = None  # evaluation hook: f(layer, q, selection, k_cache, v_cache)
         self.page_table = page_table
         self.num_decode = num_decode
         self.prefills = prefills
@@ -66,6 +70,42 @@ class ForwardContext:
             n_pages = torch.div(seq_lens + ps - 1, ps, rounding_mode="floor")
             self.dec_num_pages = n_pages[:, None].expand(-1, hkv).to(torch.int32).contiguous()
             self.dec_last_len = (seq_lens - (n_pages - 1) * ps).to(torch.int32)
+        if sparse is not None:
+            self._plan_index(rows, positions)
+
+    def _plan_index(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Pages that fill in this batch, for the algorithm's index().
+
+        Entries: one per decode token (its page, masked to -1 unless this token fills it),
+        then one per full page completed inside each prefill chunk; x Hkv heads each.
+        `tok_entry` [T] maps the token that fills each page to its entry (-1: none); its
+        queries are what query-aware algorithms (InfLLM) index with."""
+        ps = self.kv.page_size
+        dev = positions.device
+        nd = self.num_decode
+        ids = []
+        tok_entry = torch.full_like(positions, -1)
+        if nd:
+            fills = ((positions[:nd] + 1) % ps == 0)[:, None]
+            ids.append(torch.where(fills, self.store_pages[:nd], -1))
+            tok_entry[:nd] = torch.arange(nd, device=dev)
+        entries = nd
+        for p in self.prefills:
+            b0, b1 = p.start // ps, (p.start + p.q_end - p.q_start) // ps
+            if b1 <= b0:
+                continue
+            ids.append(self.page_table[p.row, :, b0:b1].t().long())  # [nb, Hkv]
+            pos = positions[p.q_start:p.q_end]
+            # the query of the token that fills the page (its last), as in decode, so the
+            # summary does not depend on how the prompt was chunked
+            blk = torch.div(pos, ps, rounding_mode="floor") - b0
+            fills = (pos % ps == ps - 1) & (blk < b1 - b0)
+            tok_entry[p.q_start:p.q_end] = torch.where(fills, entries + blk, -1)
+            entries += b1 - b0
+        self.num_fill_entries = entries
+        self.fill_ids = torch.cat(ids).reshape(-1).to(torch.int32) if ids else None  # [E*Hkv]
+        self.fill_tokens = torch.full_like(self.fill_ids, ps) if ids else None
+        self.tok_entry = tok_entry
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor) -> torch.Tensor:
@@ -73,15 +113,40 @@ class ForwardContext:
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
         k_cache[self.store_pages, self.store_offsets] = k
         v_cache[self.store_pages, self.store_offsets] = v
+        sparse = self.sparse is not None and self.sparse.is_sparse(layer)
+        if sparse and self.fill_ids is not None:
+            self._index(layer, q, k_cache)
         out = torch.empty_like(q)
         nd = self.num_decode
-        if nd:
+        if nd and sparse:
+            sel = self.sparse.algorithm.select(q[:nd], self.dec_page_table, self.dec_num_pages,
+                                               self.dec_last_len, self.sparse.summaries[layer],
+                                               k_cache)
+            if self.on_select is not None:
+                self.on_select(layer, q[:nd], sel, self)
+            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, sel.page_table,
+                                              sel.num_pages, sel.last_page_len, self.scale)
+        elif nd:
             # the Triton kernel on GPU, its torch reference on CPU
             out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, self.dec_page_table,
                                               self.dec_num_pages, self.dec_last_len, self.scale)
         for p in self.prefills:
             out[p.q_start:p.q_end] = self._prefill(p, q, k, v, k_cache, v_cache)
         return out
+
+    def _index(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+        queries = None
+        if self.sparse.needs_queries:
+            hkv = self.page_table.shape[1]
+            t, hq, d = q.shape
+            e = self.num_fill_entries
+            # tokens without an entry add into a dropped extra row (no boolean mask: no sync)
+            target = torch.where(self.tok_entry >= 0, self.tok_entry, e)
+            acc = torch.zeros((e + 1, hq, d), dtype=torch.float32, device=q.device)
+            acc.index_add_(0, target, q.float())
+            queries = acc[:e].view(e, hkv, hq // hkv, d).reshape(-1, hq // hkv, d)  # [E*Hkv, G, D]
+        self.sparse.algorithm.index(k_cache, self.fill_ids, self.fill_tokens,
+                                    self.sparse.summaries[layer], queries)
 
     def _prefill(self, p: PrefillSeq, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

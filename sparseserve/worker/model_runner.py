@@ -18,6 +18,7 @@ from sparseserve.model.loader import iter_weights
 from sparseserve.request import SamplingParams
 from sparseserve.worker.forward_context import ForwardContext, KVCacheTensors, PrefillSeq
 from sparseserve.worker.sampler import Sampler, SamplingBatch
+from sparseserve.worker.sparse_runtime import SparseRuntime
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,6 +66,10 @@ class ModelRunner:
         self.row_params: dict[int, SamplingParams] = {}
         self.saved_hidden: dict[str, torch.Tensor] = {}  # layer-segmented prefill state
         self.sampler = Sampler(self.device, cfg.seed)
+        self.sparse = None
+        if cfg.sparse.enabled:
+            self.sparse = SparseRuntime(cfg.sparse, self.num_layers, cfg.cache.num_pages,
+                                        self.page_size, mc.head_dim, self.dtype, self.device)
         self.graphs = None
         if self.device.type == "cuda" and not cfg.enforce_eager:
             from sparseserve.worker.cuda_graphs import DecodeGraphs
@@ -154,7 +159,7 @@ class ModelRunner:
         if num_decode:  # pages of the longest decode request (known on the CPU: no sync)
             width = max(cdiv(c.start + 1, self.page_size) for c in chunks[:num_decode])
         return ForwardContext(self.kv, self.page_table, rows, positions, num_decode, prefills,
-                              self.scale, decode_width=width)
+                              self.scale, decode_width=width, sparse=self.sparse)
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
                 t0: float) -> RunnerOutput:

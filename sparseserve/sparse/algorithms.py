@@ -1,0 +1,116 @@
+"""The sparse algorithms: dense (oracle of everything), quest, arkvale, infllm, streaming,
+and `oracle` (exact top-k pages by true attention mass; an evaluation reference)."""
+from __future__ import annotations
+
+import torch
+
+from sparseserve.kernels import score_pages, update_page_summaries
+from sparseserve.sparse.base import LayerSummaries, SparseAlgorithm, register
+
+
+@register("dense")
+class Dense(SparseAlgorithm):
+    """Selects every page: the engine runs plain paged decode for it."""
+
+    def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
+        blk = torch.arange(page_table.shape[2], device=q.device).view(1, 1, -1)
+        return torch.where(blk < num_pages.unsqueeze(-1), 0.0, float("-inf")).float().expand(
+            page_table.shape).contiguous()
+
+
+@register("quest")
+class Quest(SparseAlgorithm):
+    """Per-channel key min/max; score = sum_c max(q_c M_c, q_c m_c) (an upper bound of q·k)."""
+
+    summary_names = ("kmin", "kmax")
+
+    def index(self, k_cache, page_ids, num_tokens, summaries, queries):
+        update_page_summaries(k_cache, page_ids, num_tokens, summaries["kmin"], summaries["kmax"])
+
+    def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
+        return score_pages(q, summaries["kmin"], summaries["kmax"], None, page_table, num_pages,
+                           "quest")
+
+
+@register("arkvale")
+class ArkVale(Quest):
+    """Cuboid-mean: centre c = (M+m)/2, radius r = mean_t |c - k_t|;
+    score = sum_c max(q_c (c+r)_c, q_c (c-r)_c).
+
+    That score is Quest's on the box [c - r, c + r], so the box is what we store (two vectors
+    per page, like Quest: summaries stay at 2/page_size of the KV bytes) and scoring reuses the
+    Quest kernel."""
+
+    def index(self, k_cache, page_ids, num_tokens, summaries, queries):
+        kmin, kmax = summaries["kmin"], summaries["kmax"]
+        radius = self.scratch.get("radius")
+        if radius is None or radius.shape != kmin.shape or radius.device != kmin.device:
+            radius = self.scratch["radius"] = torch.zeros_like(kmin)
+        update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, radius)
+        rows = torch.where(page_ids >= 0, page_ids, kmin.shape[0] - 1).long()  # masked -> scratch
+        c = (kmin[rows].float() + kmax[rows].float()) * 0.5
+        r = radius[rows].float()
+        kmin[rows] = (c - r).to(kmin.dtype)
+        kmax[rows] = (c + r).to(kmax.dtype)
+
+
+@register("infllm")
+class InfLLM(SparseAlgorithm):
+    """Representative key per page: the mean of the page's keys that the local queries attend
+    to most (InfLLM's representative tokens); score = sum over the group's heads of q·rep."""
+
+    summary_names = ("rep",)
+    uses_queries = True
+    num_representatives = 4
+
+    def index(self, k_cache, page_ids, num_tokens, summaries, queries):
+        rep = summaries["rep"]
+        rows = torch.where(page_ids >= 0, page_ids, rep.shape[0] - 1).long()
+        k = k_cache[rows].float()  # [N, ps, D]
+        valid = torch.arange(k.shape[1], device=k.device)[None, :] < num_tokens[:, None]
+        if queries is None:
+            w = valid.float()
+        else:  # attention the page's keys receive from the queries that filled it
+            w = torch.einsum("ngd,ntd->nt", queries.float(), k).masked_fill(~valid, float("-inf"))
+        top = w.topk(min(self.num_representatives, k.shape[1]), dim=-1).indices  # [N, r]
+        chosen = k.gather(1, top.unsqueeze(-1).expand(-1, -1, k.shape[2]))
+        ok = valid.gather(1, top).unsqueeze(-1).float()
+        rep[rows] = ((chosen * ok).sum(1) / ok.sum(1).clamp(min=1)).to(rep.dtype)
+
+    def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
+        B, hq, D = q.shape
+        hkv, W = page_table.shape[1:]
+        rep = summaries["rep"][page_table.long()].float()  # [B, Hkv, W, D]
+        qg = q.float().view(B, hkv, hq // hkv, D).sum(2)  # sum over the group's heads
+        s = torch.einsum("bhd,bhwd->bhw", qg, rep)
+        blk = torch.arange(W, device=q.device).view(1, 1, W)
+        return s.masked_fill(blk >= num_pages.unsqueeze(-1), float("-inf"))
+
+
+@register("streaming")
+class Streaming(SparseAlgorithm):
+    """StreamingLLM: the sink pages plus the most recent pages, filling the same budget."""
+
+    def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
+        blk = torch.arange(page_table.shape[2], device=q.device).view(1, 1, -1).float()
+        recency = blk.expand(page_table.shape)  # later pages score higher
+        return recency.masked_fill(blk >= num_pages.unsqueeze(-1), float("-inf"))
+
+
+@register("oracle")
+class Oracle(SparseAlgorithm):
+    """Exact top-k pages by true attention mass (summed over the group's heads). Reads every
+    key: an evaluation reference, not a serving algorithm."""
+
+    def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
+        B, hq, D = q.shape
+        hkv, W = page_table.shape[1:]
+        ps = k_cache.shape[1]
+        k = k_cache[page_table.long()].float().reshape(B, hkv, W * ps, D)
+        s = torch.einsum("bhgd,bhnd->bhgn", q.float().view(B, hkv, hq // hkv, D), k) * D ** -0.5
+        tok = torch.arange(W * ps, device=q.device).view(1, 1, 1, -1)
+        n_tok = (num_pages.long() - 1) * ps + last_page_len.long().view(B, 1)  # [B, Hkv]
+        s = s.masked_fill(tok >= n_tok.view(B, hkv, 1, 1), float("-inf"))
+        p = torch.softmax(s, dim=-1).reshape(B, hkv, -1, W, ps).sum(dim=(2, 4))
+        return p.masked_fill(torch.arange(W, device=q.device).view(1, 1, W)
+                             >= num_pages.unsqueeze(-1), float("-inf"))
