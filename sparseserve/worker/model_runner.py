@@ -31,6 +31,7 @@ class RunnerOutput:
     # request id -> {token_id: (logprob, rank)} for the sampled position
     logprobs: dict[str, dict[int, tuple[float, int]]] = field(default_factory=dict)
     host_time_s: float = 0.0  # time the CPU spent preparing and launching (before the sync)
+    logits: torch.Tensor | None = None  # [N, vocab] fp32 of the sampled rows (keep_logits)
 
 
 class ModelRunner:
@@ -70,6 +71,7 @@ class ModelRunner:
         if cfg.sparse.enabled:
             self.sparse = SparseRuntime(cfg.sparse, self.num_layers, cfg.cache.num_pages,
                                         self.page_size, mc.head_dim, self.dtype, self.device)
+        self.keep_logits = False  # evaluation: return each step's logits in RunnerOutput
         self.graphs = None
         if self.device.type == "cuda" and not cfg.enforce_eager:
             from sparseserve.worker.cuda_graphs import DecodeGraphs
@@ -165,7 +167,7 @@ class ModelRunner:
                 t0: float) -> RunnerOutput:
         """logits [N, vocab] fp32: one row per chunk with `sample`, in chunk order."""
         sampling = [c for c in chunks if c.sample]
-        result = RunnerOutput()
+        result = RunnerOutput(logits=logits if self.keep_logits else None)
         batch = SamplingBatch(params=[self.row_params[c.row] for c in sampling],
                               num_output_tokens=[c.num_output_tokens for c in sampling])
         s = self.sampler(logits, batch)
