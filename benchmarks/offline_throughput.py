@@ -117,21 +117,27 @@ def make_prompts(rng: np.random.Generator, n: int, length: int, vocab: int) -> n
 # ---- sparseserve ----------------------------------------------------------------------------
 def make_llm(model: str, setup: dict, max_len: int, num_seqs: int, batched: int, kv_bytes: int,
              enforce_eager: bool, seed: int):
+    import dataclasses
+
     from sparseserve import LLM
+    from sparseserve.engine.args import EngineArgs
 
     kw = dict(load_format="dummy", dtype=setup["dtype"], device=setup["device"],
               max_model_len=max_len, max_num_seqs=num_seqs, max_num_batched_tokens=batched,
               kv_cache_memory_bytes=kv_bytes, enforce_eager=enforce_eager, seed=seed)
+    if "sparse_algorithm" in {f.name for f in dataclasses.fields(EngineArgs)}:
+        kw["sparse_algorithm"] = "dense"  # this benchmark measures the dense engine
     t0 = time.perf_counter()
     llm = LLM(model, **kw)
     C.synchronize()
     eng = llm.engine
+    graphs = getattr(eng.runner, "graphs", None)
     info = {"engine_args": kw, "load_s": time.perf_counter() - t0,
             "num_pages": eng.config.cache.num_pages,
             "max_model_len": eng.config.scheduler.max_model_len,
-            # attributes of the runner holding CUDA graphs (empty: the runner has none)
-            "cuda_graph_attrs": sorted(k for k, v in vars(eng.runner).items()
-                                       if "graph" in type(v).__name__.lower())}
+            # decode CUDA graphs the runner captured (None: it runs eagerly)
+            "cuda_graph_batch_sizes": (list(getattr(graphs, "sizes", None) or [])
+                                       if graphs is not None else None)}
     return llm, info
 
 

@@ -63,6 +63,8 @@ def test_decode_steps(smoke_result, mode):
     r, _ = smoke_result
     rec = r["results"]["decode_steps"][mode]
     assert rec["engine"]["engine_args"]["enforce_eager"] is (mode == "eager")
+    assert rec["engine"]["engine_args"].get("sparse_algorithm", "dense") == "dense"
+    assert "cuda_graph_batch_sizes" in rec["engine"]
     batches = r["settings"]["decode"]["batches"]
     assert sorted(rec["batches"], key=int) == [str(b) for b in batches]
     for b in batches:
