@@ -531,13 +531,13 @@ def parse_args(argv=None):
     p.add_argument("--hf-compile", action="store_true",
                    help="let transformers torch.compile decode (timed on a second run)")
     p.add_argument("--time-budget-s", type=float, default=None,
-                   help="stop starting new work after this (default 510; 300 with --smoke)")
+                   help="stop starting new work after this (default 480; 300 with --smoke)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    deadline = C.Deadline(args.time_budget_s or (300.0 if args.smoke else 510.0))
+    deadline = C.Deadline(args.time_budget_s or (300.0 if args.smoke else 480.0))
     parts = [s.strip() for s in args.only.split(",") if s.strip()]
     bad = [s for s in parts if s not in PARTS]
     if bad or not parts:
