@@ -1,0 +1,233 @@
+"""Shared pieces of the transfer leaves: counters, bit views, argument checks, page runs, and
+the ticket bookkeeping of savers whose work completes in CUDA stream order.
+
+Nothing here imports triton.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+__all__ = ["TransferStats", "bits_view", "check_page_tensors", "as_index_array",
+           "count_page_runs", "page_runs", "EventTicketSaver"]
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass
+class TransferStats:
+    """What a loader or saver moved.
+
+    ``pages``: pages moved. A loaded page is one (page, K and V) pair; a saved "page" is one
+    page region written by one save (a run of consecutive token offsets of one KV head in one
+    host page: a decode step writing one token into a page counts one).
+    ``rows``: token rows of one KV head (saves only; loads leave it 0).
+    ``bytes``: K plus V bytes. ``calls``: load / save calls. ``busy_s``: CPU seconds the
+    worker threads spent scattering (FlashD2H only).
+    """
+    calls: int = 0
+    pages: int = 0
+    rows: int = 0
+    bytes: int = 0
+    busy_s: float = 0.0
+
+    def add(self, other: "TransferStats") -> "TransferStats":
+        return TransferStats(self.calls + other.calls, self.pages + other.pages,
+                             self.rows + other.rows, self.bytes + other.bytes,
+                             self.busy_s + other.busy_s)
+
+
+def bits_view(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as an integer tensor of the same element size (bit-exact copies, no
+    float semantics, numpy-compatible for bf16)."""
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def check_page_tensors(host_k, host_v, dev_k, dev_v) -> tuple[int, int]:
+    """Validate the [pages, page_size, head_dim] tensors of one layer; -> (page_size, head_dim).
+
+    Pages must be row-contiguous ([page_size, head_dim] dense); the page stride is free (a
+    layer may be a slice of a bigger tensor)."""
+    ref = host_k
+    for name, t in (("host_k", host_k), ("host_v", host_v), ("dev_k", dev_k), ("dev_v", dev_v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be [pages, page_size, head_dim], got {tuple(t.shape)}")
+        if tuple(t.shape[1:]) != tuple(ref.shape[1:]) or t.dtype != ref.dtype:
+            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} does not match host_k "
+                             f"{tuple(ref.shape)} {ref.dtype}")
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            raise ValueError(f"{name}: each [page_size, head_dim] page must be contiguous")
+    if host_k.shape[0] != host_v.shape[0] or dev_k.shape[0] != dev_v.shape[0]:
+        raise ValueError("K and V of a tier must have the same number of pages")
+    if host_k.device != host_v.device or dev_k.device != dev_v.device:
+        raise ValueError("K and V of a tier must be on the same device")
+    return int(ref.shape[1]), int(ref.shape[2])
+
+
+def as_index_array(x, name: str, shape: tuple[int, int], allow_column: bool = False) -> np.ndarray:
+    """A private, writable int64 numpy copy of host page ids / offsets of ``shape`` [T, H],
+    given as numpy, list or tensor (a CUDA tensor is copied to the host: a sync). With
+    ``allow_column`` a [T] or [T, 1] input stays a [T, 1] column (broadcast over heads)."""
+    if torch.is_tensor(x):
+        x = x.detach().to("cpu").numpy()
+    a = np.asarray(x, dtype=np.int64)
+    if a.ndim == 1:
+        a = a[:, None]
+    if allow_column and a.shape == (shape[0], 1):
+        return np.array(a, dtype=np.int64, copy=True)
+    try:
+        return np.array(np.broadcast_to(a, shape), dtype=np.int64, copy=True)
+    except ValueError:
+        raise ValueError(f"{name} has shape {a.shape}, expected {shape}") from None
+
+
+def _run_starts(pages: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """[T, H] bool: row (t, h) starts a page region (first live row of a run of consecutive
+    offsets of one head in one page)."""
+    start = pages >= 0
+    if pages.shape[0] > 1:
+        cont = (pages[1:] == pages[:-1]) & (offsets[1:] == offsets[:-1] + 1)
+        start[1:] &= ~cont
+    return start
+
+
+def count_page_runs(pages: np.ndarray, offsets: np.ndarray, t0: int = 0, t1: int | None = None) -> int:
+    """Page regions starting in tokens [t0, t1) (exact when summed over a partition of the
+    tokens). pages [T, H], offsets [T, H] or [T, 1] (int64)."""
+    t1 = pages.shape[0] if t1 is None else t1
+    lo = max(t0 - 1, 0)
+    start = _run_starts(pages[lo:t1], offsets[lo:t1])
+    return int(start[t0 - lo:].sum())
+
+
+def page_runs(pages: np.ndarray, offsets: np.ndarray):
+    """Page regions as arrays (head, t0, length, page, offset0), head-major order.
+    pages [T, H], offsets [T, H] or [T, 1] (int64); rows with page < 0 belong to no region."""
+    T, H = pages.shape
+    if T == 0 or H == 0:
+        e = np.zeros(0, np.int64)
+        return e, e, e, e, e
+    offsets = np.broadcast_to(offsets, pages.shape)
+    start = _run_starts(pages, offsets).T.reshape(-1)          # [H*T], head-major
+    live = (pages >= 0).T.reshape(-1)
+    idx = np.flatnonzero(start)
+    # a region ends at the next start, the next dead row or the end of its head's column
+    stops = np.flatnonzero(start | ~live)
+    bounds = np.union1d(stops, np.arange(0, H * T + 1, T))
+    ends = bounds[np.searchsorted(bounds, idx, side="right")]
+    head, t0 = np.divmod(idx, T)
+    return head, t0, ends - idx, pages[t0, head], offsets[t0, head]
+
+
+class EventTicketSaver:
+    """Tickets for savers whose copies are ordered on a CUDA stream (per-page copy, GPU-direct):
+    a ticket completes when the event recorded after its copies does. On CPU tensors the work is
+    synchronous and tickets complete at once. Thread-safe; tickets are 1, 2, 3, ..."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._issued = 0
+        self._completed = 0
+        self._pending: deque = deque()        # (ticket, event, keepalive)
+        self._stats = TransferStats()
+        self._closed = False
+
+    # subclasses call this at the end of save()
+    def _issue(self, event, keepalive, stats: TransferStats) -> int:
+        with self._lock:
+            self._issued += 1
+            t = self._issued
+            self._stats = self._stats.add(stats)
+            if event is None and not self._pending:
+                self._completed = t
+            else:
+                self._pending.append((t, event, keepalive))
+            return t
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+
+    def completed_seq(self) -> int:
+        """Highest ticket t such that every ticket <= t has completed (never blocks)."""
+        with self._lock:
+            while self._pending and (self._pending[0][1] is None or self._pending[0][1].query()):
+                self._completed = self._pending.popleft()[0]
+            return self._completed
+
+    def wait(self, ticket: int) -> None:
+        """Block until ``ticket`` (and every earlier one) has completed."""
+        if ticket > self._issued:
+            raise ValueError(f"ticket {ticket} was never issued (last: {self._issued})")
+        while True:
+            with self._lock:
+                if not self._pending or self._pending[0][0] > ticket:
+                    return
+                t, ev, _ = self._pending[0]
+            if ev is not None:
+                ev.synchronize()
+            with self._lock:
+                if self._pending and self._pending[0][0] == t:
+                    self._completed = self._pending.popleft()[0]
+
+    def wait_all(self) -> None:
+        if self._issued:
+            self.wait(self._issued)
+
+    def stats(self) -> TransferStats:
+        with self._lock:
+            return TransferStats(**vars(self._stats))
+
+    def close(self) -> None:
+        """Wait for outstanding saves; later saves raise. Idempotent."""
+        if not self._closed:
+            self.wait_all()
+            self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class SaveArgs:
+    """Validated arguments of one save: k/v [T, H, D] contiguous, pages [T, H] int64, offsets
+    [T, H] or [T, 1] int64 (private copies)."""
+    layer: int
+    k: torch.Tensor
+    v: torch.Tensor
+    pages: np.ndarray
+    offsets: np.ndarray
+    extra: dict = field(default_factory=dict)
+
+
+def check_save_args(host_k_layers, layer, k_new, v_new, host_pages, offsets,
+                    validate: bool = True) -> SaveArgs:
+    """Shared argument handling of every saver's ``save``."""
+    if not 0 <= layer < len(host_k_layers):
+        raise IndexError(f"layer {layer} out of range (0..{len(host_k_layers) - 1})")
+    hk = host_k_layers[layer]
+    P, ps, D = hk.shape
+    if k_new.dim() != 3 or k_new.shape != v_new.shape:
+        raise ValueError(f"k_new/v_new must both be [T, Hkv, D], got {tuple(k_new.shape)} "
+                         f"and {tuple(v_new.shape)}")
+    T, H, Dn = k_new.shape
+    if Dn != D or k_new.dtype != hk.dtype or v_new.dtype != hk.dtype:
+        raise ValueError(f"k_new {tuple(k_new.shape)} {k_new.dtype} does not match host pages "
+                         f"{tuple(hk.shape)} {hk.dtype}")
+    pages = as_index_array(host_pages, "host_pages", (T, H))
+    offs = as_index_array(offsets, "offsets", (T, H), allow_column=True)
+    if validate and T and H:
+        live = pages >= 0
+        if pages.max() >= P:
+            raise IndexError(f"host page id {int(pages.max())} out of range (< {P})")
+        o = offs[live.any(axis=1), 0] if offs.shape[1] == 1 else offs[live]
+        if o.size and (o.min() < 0 or o.max() >= ps):
+            raise IndexError(f"token offset out of range [0, {ps})")
+    return SaveArgs(layer, k_new.contiguous(), v_new.contiguous(), pages, offs)

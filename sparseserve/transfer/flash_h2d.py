@@ -1,0 +1,127 @@
+"""FlashH2D: one Triton kernel gathers many KV pages straight from pinned host memory (UVA).
+
+Grid ``(N, 2)``: program ``(i, 0)`` copies the K page ``src_pages[i]`` of the host tier into
+slot ``dst_slots[i]`` of the device tier, program ``(i, 1)`` the V page. Each program streams
+its ``page_size * head_dim`` contiguous elements in vectorised blocks (an integer view of the
+data, so copies are bit-exact for any dtype). Entries with ``src_pages[i] < 0`` are skipped
+(misses are masked, not compacted). Fixed grid, no host synchronisation: capturable in a CUDA
+graph once compiled (call it once before capture).
+
+On a GPU the host tensors are passed to the kernel as they are: the pointer of page-locked
+memory (``pin_memory=True``) is valid on the device under unified virtual addressing, so the
+loads cross PCIe directly. On CPU tensors the same kernel runs in Triton's interpreter (tests);
+``torch_load_pages`` is the vectorised torch path with the same contract (CPU engine path).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kernels import patch_triton_interpreter
+from .common import bits_view, check_page_tensors
+
+patch_triton_interpreter()
+
+__all__ = ["flash_load_pages", "torch_load_pages"]
+
+DEFAULT_BLOCK_BYTES = 16384
+
+
+@triton.jit
+def _copy_page(src, dst, live, PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, PAGE_ELEMS, BLOCK):
+        o = start + offs
+        m = (o < PAGE_ELEMS) & live          # block mask; uniform per program when live is
+        x = tl.load(src + o, mask=m)
+        tl.store(dst + o, x, mask=m)
+
+
+@triton.jit
+def _flash_h2d_kernel(
+    hk_ptr, hv_ptr, dk_ptr, dv_ptr, src_ptr, dst_ptr, cnt_ptr,
+    stride_hk, stride_hv, stride_dk, stride_dv,
+    PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr,
+    PAGE_BYTES: tl.constexpr, HAS_COUNTER: tl.constexpr,
+):
+    i = tl.program_id(0)
+    kv = tl.program_id(1)
+    src = tl.load(src_ptr + i).to(tl.int64)
+    dst = tl.load(dst_ptr + i).to(tl.int64)
+    live = src >= 0
+    # masked (not branched) so a skipped entry costs one predicated-off pass, nothing else
+    src = tl.maximum(src, 0)
+    dst = tl.maximum(dst, 0)
+    if kv == 0:
+        _copy_page(hk_ptr + src * stride_hk, dk_ptr + dst * stride_dk, live,
+                   PAGE_ELEMS, BLOCK)
+        if HAS_COUNTER:
+            # [pages, bytes]; K and V of a page count as one page
+            tl.atomic_add(cnt_ptr, live.to(tl.int64))
+            tl.atomic_add(cnt_ptr + 1, live.to(tl.int64) * (2 * PAGE_BYTES))
+    else:
+        _copy_page(hv_ptr + src * stride_hv, dv_ptr + dst * stride_dv, live,
+                   PAGE_ELEMS, BLOCK)
+
+
+def flash_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, counter=None, *,
+                     block_bytes: int = DEFAULT_BLOCK_BYTES, num_warps: int | None = None) -> None:
+    """Load host pages into device slots with one Triton kernel (see module doc).
+
+    Args:
+        host_k, host_v: [P, page_size, D]  host tier of one layer (pinned CPU memory on a GPU)
+        dev_k, dev_v:   [S, page_size, D]  device tier (slots) of the same layer
+        src_pages:      [N] int32/int64    host page ids on dev_k's device; < 0 = skip
+        dst_slots:      [N] int32/int64    device slots, same device; unique among live entries
+        counter:        [2] int64 or None  on dev_k's device: += [pages loaded, bytes loaded]
+        block_bytes:    bytes a program moves per loop iteration (tuning knob)
+        num_warps:      warps per program (default: 4 up to 8 KB blocks, else 8)
+    Ids are not range-checked (no host sync): the caller guarantees 0 <= src < P, dst < S.
+    Runs on the current stream.
+    """
+    page_size, head_dim = check_page_tensors(host_k, host_v, dev_k, dev_v)
+    (N,) = src_pages.shape
+    if dst_slots.shape != (N,):
+        raise ValueError(f"dst_slots {tuple(dst_slots.shape)} does not match src_pages ({N},)")
+    if N == 0:
+        return
+    dev = dev_k.device
+    src_pages = src_pages.to(dev, non_blocking=True).contiguous()
+    dst_slots = dst_slots.to(dev, non_blocking=True).contiguous()
+    hk, hv, dk, dv = (bits_view(t) for t in (host_k, host_v, dev_k, dev_v))
+    esz = host_k.element_size()
+    page_elems = page_size * head_dim
+    block = min(triton.next_power_of_2(page_elems), max(16, triton.next_power_of_2(block_bytes // esz)))
+    if num_warps is None:
+        num_warps = 4 if block * esz <= 8192 else 8
+    has_counter = counter is not None
+    if has_counter:
+        assert counter.dtype == torch.int64 and counter.numel() >= 2 and counter.device == dev
+    cnt = counter if has_counter else src_pages
+    launch = _flash_h2d_kernel[(N, 2)]
+    args = (hk, hv, dk, dv, src_pages, dst_slots, cnt,
+            hk.stride(0), hv.stride(0), dk.stride(0), dv.stride(0))
+    kw = dict(PAGE_ELEMS=page_elems, BLOCK=block, PAGE_BYTES=page_elems * esz, HAS_COUNTER=has_counter, num_warps=num_warps)
+    if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+        with torch.cuda.device(dev):
+            launch(*args, **kw)
+    else:
+        launch(*args, **kw)
+
+
+def torch_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, counter=None) -> None:
+    """Same contract as ``flash_load_pages`` with torch indexing (compacts the live entries:
+    on CUDA this syncs, so it is meant for CPU tiers). Ids are range-checked by torch."""
+    check_page_tensors(host_k, host_v, dev_k, dev_v)
+    if dst_slots.shape != src_pages.shape or src_pages.dim() != 1:
+        raise ValueError("src_pages and dst_slots must be 1-D of the same length")
+    live = src_pages >= 0
+    src = src_pages[live].to(host_k.device, torch.int64)
+    dst = dst_slots[live].to(dev_k.device, torch.int64)
+    for h, d in ((host_k, dev_k), (host_v, dev_v)):
+        d.index_copy_(0, dst, h.index_select(0, src).to(d.device))
+    if counter is not None:
+        n = int(src.numel())
+        counter[0] += n
+        counter[1] += 2 * n * host_k[0].numel() * host_k.element_size()

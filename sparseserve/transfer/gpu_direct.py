@@ -1,0 +1,126 @@
+"""GPU-direct saving (baseline): a Triton kernel writes the step's new KV rows straight into
+pinned host pages by UVA (the host tensor is passed to the kernel; its pointer is valid on the
+GPU). Grid ``(cdiv(T, BLOCK_T), Hkv)``: a program moves BLOCK_T token rows of one KV head, K and
+V, each row to ``host[page, offset]``. Runs on the current stream (it occupies SMs and PCIe
+while compute waits on the stream: the cost the papers measure). On CPU tensors the kernel runs
+in Triton's interpreter (``backend="triton"``) or as torch indexing (``"torch"``, the default
+for CPU tensors).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kernels import patch_triton_interpreter
+from .common import (EventTicketSaver, TransferStats, bits_view, check_save_args,
+                     count_page_runs)
+
+patch_triton_interpreter()
+
+__all__ = ["gpu_direct_save", "GpuDirectSaver"]
+
+
+@triton.jit
+def _gpu_direct_kernel(
+    k_ptr, v_ptr, hk_ptr, hv_ptr, pages_ptr, offs_ptr, T,
+    s_kt, s_kh, s_vt, s_vh, s_hkp, s_hkt, s_hvp, s_hvt, s_pt, s_ph, s_ot, s_oh,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    page = tl.load(pages_ptr + t * s_pt + h * s_ph, mask=t_ok, other=-1).to(tl.int64)
+    off = tl.load(offs_ptr + t * s_ot + h * s_oh, mask=t_ok, other=0).to(tl.int64)
+    live = t_ok & (page >= 0)
+    page = tl.maximum(page, 0)
+    d = tl.arange(0, BLOCK_D)
+    m = live[:, None] & (d < D)[None, :]
+    k = tl.load(k_ptr + t[:, None] * s_kt + h * s_kh + d[None, :], mask=m)
+    tl.store(hk_ptr + page[:, None] * s_hkp + off[:, None] * s_hkt + d[None, :], k, mask=m)
+    v = tl.load(v_ptr + t[:, None] * s_vt + h * s_vh + d[None, :], mask=m)
+    tl.store(hv_ptr + page[:, None] * s_hvp + off[:, None] * s_hvt + d[None, :], v, mask=m)
+
+
+def gpu_direct_save(host_k, host_v, k_new, v_new, pages, offsets, *, block_t: int = 16,
+                    num_warps: int = 4) -> None:
+    """host[pages[t, h], offsets[t, h]] = new[t, h] for K and V, rows with page < 0 skipped.
+
+    host_k/host_v [P, page_size, D] (pinned on a GPU), k_new/v_new [T, Hkv, D] (last dim
+    contiguous), pages/offsets [T, Hkv] int32/int64 tensors on k_new's device (broadcast views
+    are fine). No range checks, no host sync; current stream."""
+    T, H, D = k_new.shape
+    if T == 0:
+        return
+    hk, hv, k, v = (bits_view(x) for x in (host_k, host_v, k_new, v_new))
+    assert k.stride(2) == 1 and v.stride(2) == 1 and hk.stride(2) == 1 and hv.stride(2) == 1
+    grid = (triton.cdiv(T, block_t), H)
+    args = (k, v, hk, hv, pages, offsets, T,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            hk.stride(0), hk.stride(1), hv.stride(0), hv.stride(1),
+            pages.stride(0), pages.stride(1), offsets.stride(0), offsets.stride(1))
+    kw = dict(D=D, BLOCK_T=block_t, BLOCK_D=max(16, triton.next_power_of_2(D)),
+              num_warps=num_warps)
+    dev = k_new.device
+    if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+        with torch.cuda.device(dev):
+            _gpu_direct_kernel[grid](*args, **kw)
+    else:
+        _gpu_direct_kernel[grid](*args, **kw)
+
+
+def _torch_save(host_k, host_v, k_new, v_new, pages, offsets) -> None:
+    """Torch indexing with the same contract (CPU engine path; syncs on CUDA)."""
+    pages, offsets = pages.to(host_k.device), offsets.to(host_k.device).expand(pages.shape)
+    live = pages >= 0
+    p, o = pages[live], offsets[live]
+    host_k[p, o] = k_new.to(host_k.device)[live]
+    host_v[p, o] = v_new.to(host_v.device)[live]
+
+
+class GpuDirectSaver(EventTicketSaver):
+    """Saves with one GPU-direct kernel per save (see module doc); same interface as
+    ``FlashD2HSaver``. ``backend``: None/"auto" (Triton on CUDA, torch on CPU), "triton",
+    "torch". The page ids / offsets travel to the device with the save (a small copy)."""
+
+    def __init__(self, host_k_layers, host_v_layers, backend: str | None = None,
+                 validate: bool = True) -> None:
+        super().__init__()
+        if len(host_k_layers) != len(host_v_layers):
+            raise ValueError("host_k_layers and host_v_layers differ in length")
+        if backend not in (None, "auto", "triton", "torch"):
+            raise ValueError(f"unknown backend {backend!r}")
+        self.host_k = list(host_k_layers)
+        self.host_v = list(host_v_layers)
+        self.backend = backend
+        self.validate = validate
+
+    def save(self, layer: int, k_new, v_new, host_pages, offsets) -> int:
+        """k_new/v_new [T, Hkv, D]; host_pages [T, Hkv] (< 0: not saved); offsets [T] or
+        [T, Hkv]. -> ticket."""
+        self._check_open()
+        a = check_save_args(self.host_k, layer, k_new, v_new, host_pages, offsets, self.validate)
+        hk, hv = self.host_k[layer], self.host_v[layer]
+        dev = a.k.device
+        pages = torch.from_numpy(a.pages)
+        offs = torch.from_numpy(a.offsets)
+        if dev.type == "cuda":
+            pages = pages.pin_memory().to(dev, non_blocking=True)
+            offs = offs.pin_memory().to(dev, non_blocking=True)
+        offs = offs.expand(pages.shape)                     # [T, 1] -> [T, H] (stride 0)
+        backend = self.backend or "auto"
+        if backend == "auto":
+            backend = "triton" if dev.type == "cuda" else "torch"
+        if backend == "triton":
+            gpu_direct_save(hk, hv, a.k, a.v, pages, offs)
+        else:
+            _torch_save(hk, hv, a.k, a.v, pages, offs)
+        rows = int((a.pages >= 0).sum())
+        stats = TransferStats(1, count_page_runs(a.pages, a.offsets), rows,
+                              2 * rows * hk.shape[2] * hk.element_size())
+        event = None
+        if dev.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return self._issue(event, (a.k, a.v, pages, offs) if event is not None else None, stats)
