@@ -110,6 +110,12 @@ class CacheConfig:
     num_pages: int = 0  # device pages per layer (resolved from the memory budget)
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    # two-tier cache: every page in host DRAM, num_pages device slots per layer cache them
+    kv_offload: bool = False
+    num_host_pages: int = 0
+    h2d_method: str = "flash"  # "flash" (FlashH2D) | "memcpy" (one copy per page)
+    d2h_method: str = "flash"  # "flash" (FlashD2H) | "memcpy" | "gpu-direct"
+    eviction: str = "category-lru"  # | "lru"
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,11 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     enforce_eager: bool = False
+    kv_offload: bool = False
+    kv_offloading_size: float | None = None  # GiB of host DRAM for the host tier
+    h2d_method: str = "flash"
+    d2h_method: str = "flash"
+    eviction: str = "category-lru"
     sparse_algorithm: str = "dense"
     token_budget: int = 2048
     sink_pages: int = 1
@@ -67,6 +72,15 @@ class EngineArgs:
                             default=d.gpu_memory_utilization)
         parser.add_argument("--seed", type=int, default=d.seed)
         parser.add_argument("--enforce-eager", action="store_true")
+        parser.add_argument("--kv-offload", action="store_true",
+                            help="two-tier KV cache: every page in host DRAM, HBM caches the "
+                                 "pages sparse decode reads")
+        parser.add_argument("--kv-offloading-size", type=float, default=None,
+                            help="GiB of pinned host memory for the host tier")
+        parser.add_argument("--h2d-method", default=d.h2d_method, choices=["flash", "memcpy"])
+        parser.add_argument("--d2h-method", default=d.d2h_method,
+                            choices=["flash", "memcpy", "gpu-direct"])
+        parser.add_argument("--eviction", default=d.eviction, choices=["category-lru", "lru"])
         from sparseserve.sparse import available_algorithms
         parser.add_argument("--sparse-algorithm", default=d.sparse_algorithm,
                             choices=available_algorithms(),
@@ -108,7 +122,9 @@ class EngineArgs:
         page_bytes = 2 * mc.num_hidden_layers * self.page_size * mc.head_dim * DTYPE_BYTES[dtype]
         kv_bytes = self._kv_bytes(device, mc, dtype)
         num_pages = kv_bytes // page_bytes
-        capacity_tokens = (num_pages // mc.num_key_value_heads) * self.page_size
+        num_host_pages = self._host_pages(page_bytes)
+        pool = num_host_pages if self.kv_offload else num_pages
+        capacity_tokens = (pool // mc.num_key_value_heads) * self.page_size
         if capacity_tokens < self.page_size:
             raise ValueError(f"KV cache of {kv_bytes} bytes holds no full page set "
                              f"({page_bytes * mc.num_key_value_heads} bytes); raise "
@@ -116,6 +132,10 @@ class EngineArgs:
         max_len = self.max_model_len
         if max_len is None:
             max_len = min(mc.max_position_embeddings, capacity_tokens)
+        elif max_len > mc.max_position_embeddings and source.kind != "dummy":
+            raise ValueError(f"max_model_len={max_len} exceeds the model's context length "
+                             f"({mc.max_position_embeddings}); the model was not trained for it. "
+                             "Lower max_model_len (dummy weights for benchmarks may exceed it).")
         elif max_len > capacity_tokens:
             raise ValueError(f"max_model_len={max_len} needs more KV cache than the "
                              f"{capacity_tokens} tokens that fit in {kv_bytes} bytes; raise "
@@ -126,13 +146,18 @@ class EngineArgs:
         if not self.enable_chunked_prefill and batched < max_len:
             batched = max_len  # without chunking a whole prompt must fit in one step
         sparse = self._sparse_config(mc)
+        if self.kv_offload:
+            self._check_offload(sparse, mc, num_pages)
         cfg = EngineConfig(
             model=mc,
             load=LoadConfig(model=source.path or source.name, load_format=source.kind,
                             tokenizer=self.tokenizer),
             cache=CacheConfig(page_size=self.page_size, num_pages=int(num_pages),
                               kv_cache_memory_bytes=kv_bytes,
-                              gpu_memory_utilization=self.gpu_memory_utilization),
+                              gpu_memory_utilization=self.gpu_memory_utilization,
+                              kv_offload=self.kv_offload, num_host_pages=int(num_host_pages),
+                              h2d_method=self.h2d_method, d2h_method=self.d2h_method,
+                              eviction=self.eviction),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=batched, max_model_len=max_len,
                                       enable_chunked_prefill=self.enable_chunked_prefill,
@@ -141,6 +166,36 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
         )
         return cfg, source
+
+    def _host_pages(self, page_bytes: int) -> int:
+        if not self.kv_offload:
+            return 0
+        if self.kv_offloading_size is None or self.kv_offloading_size <= 0:
+            raise ValueError("kv_offload needs kv_offloading_size: the GiB of host memory for "
+                             "the host tier (e.g. --kv-offloading-size 64).")
+        return int(self.kv_offloading_size * GiB) // page_bytes
+
+    def _check_offload(self, sparse: SparseConfig, mc: ModelConfig, num_slots: int) -> None:
+        from sparseserve.kvcache.eviction import EVICTION_POLICIES
+        from sparseserve.transfer import D2H_METHODS, H2D_METHODS
+        if not sparse.enabled or sparse.algorithm == "oracle":
+            raise ValueError("kv_offload needs a sparse_algorithm that scores pages from "
+                             "summaries (quest, arkvale, infllm, streaming): dense decode would "
+                             "load every page every step.")
+        if sparse.dense_layers:
+            raise ValueError("kv_offload does not support dense_layers yet; use dense_layers=0.")
+        if self.h2d_method not in H2D_METHODS or self.d2h_method not in D2H_METHODS:
+            raise ValueError(f"h2d_method must be one of {H2D_METHODS}, d2h_method one of "
+                             f"{D2H_METHODS}.")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {EVICTION_POLICIES}.")
+        mandatory = self.max_num_seqs * mc.num_key_value_heads * (sparse.token_budget
+                                                                  // self.page_size)
+        if num_slots < mandatory:
+            raise ValueError(f"The device cache has {num_slots} slots per layer but "
+                             f"{self.max_num_seqs} decoding requests can select {mandatory} "
+                             "pages in one step; raise kv_cache_memory_bytes or lower "
+                             "max_num_seqs / token_budget.")
 
     def _sparse_config(self, mc: ModelConfig) -> SparseConfig:
         from sparseserve.sparse import get_algorithm_class

@@ -121,6 +121,7 @@ class LLMEngine:
                 self._child_parent.pop(req.request_id, None)
                 if not req.is_finished:
                     self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        self.runner.release(*self.scheduler.take_freed())
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -130,8 +131,7 @@ class LLMEngine:
         sched = self.scheduler
         out = sched.schedule()
         if out.is_empty:
-            if out.freed_rows:
-                self.runner.execute(out)  # let the worker drop state of aborted requests
+            self.runner.release(out.freed_rows, out.freed_request_ids, out.freed_pages)
             if sched.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests waiting; the KV "
                                    "cache is too small for a single request.")
@@ -149,6 +149,7 @@ class LLMEngine:
                 continue
             self._append_token(req, tok, res.logprobs.get(req.request_id), now)
             touched.setdefault(self._child_parent[req.request_id], []).append(now)
+        self.runner.release(*sched.take_freed())  # finished requests leave the worker now
         outputs = []
         for pid, times in touched.items():
             parent = self._parents[pid]
@@ -223,7 +224,7 @@ class LLMEngine:
     # ---- introspection --------------------------------------------------------------------
     def get_stats(self) -> dict[str, Any]:
         sched = self.scheduler
-        return {
+        stats = {
             "num_running": len(sched.running),
             "num_waiting": len(sched.waiting),
             "num_preemptions_total": sched.num_preemptions_total,
@@ -234,6 +235,14 @@ class LLMEngine:
             "bytes_loaded_total": 0,
             "bytes_saved_total": 0,
         }
+        offload = self.runner.offload
+        if offload is not None:
+            tier = offload.stats()
+            stats.update({k: v for k, v in tier.items() if k in stats})
+            stats["host_kv_usage"] = sched.kv.usage
+            stats["device_kv_usage"] = tier["resident_slots"] / (
+                offload.num_slots * offload.num_layers)
+        return stats
 
     def num_free_pages(self) -> int:
         return self.scheduler.kv.pool.num_free

@@ -48,6 +48,7 @@ class SchedulerOutput:
     new_rows: list[NewRow] = field(default_factory=list)
     freed_rows: list[int] = field(default_factory=list)  # rows whose request left (finished/preempted)
     freed_request_ids: list[str] = field(default_factory=list)  # their requests: drop worker state
+    freed_pages: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))  # back in the pool
     num_layers: int = 0
 
     @property

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
+import numpy as np
+
 from sparseserve.config import CacheConfig, SchedulerConfig
 from sparseserve.engine.sched_output import NewRow, ScheduledChunk, SchedulerOutput
 from sparseserve.kvcache.manager import KVCacheManager
@@ -21,7 +23,9 @@ class Scheduler:
                  num_kv_heads: int) -> None:
         self.cfg = cfg
         self.num_layers = num_layers
-        self.kv = KVCacheManager(cache.num_pages, cache.page_size, num_kv_heads)
+        # with the two-tier cache the pool is the host tier; device slots are the worker's
+        pool_pages = cache.num_host_pages if cache.kv_offload else cache.num_pages
+        self.kv = KVCacheManager(pool_pages, cache.page_size, num_kv_heads)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -29,6 +33,7 @@ class Scheduler:
         self._rows: dict[str, int] = {}
         self._freed_rows: list[int] = []
         self._freed_ids: list[str] = []
+        self._freed_pages: list = []
         # layer-segmented prefill: tokens of the chunk a request is running layer by layer
         self._segment_tokens: dict[str, int] = {}
         self.num_preemptions_total = 0
@@ -52,6 +57,9 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
 
     def _release(self, req: Request) -> None:
+        pages = self.kv.page_table(req.request_id)
+        if pages.size:
+            self._freed_pages.append(pages.reshape(-1).copy())
         self.kv.free(req.request_id)
         self._segment_tokens.pop(req.request_id, None)
         row = self._rows.pop(req.request_id, None)
@@ -115,10 +123,18 @@ class Scheduler:
             chunks.append(self._make_chunk(req, n_tokens, l0, l1))
             budget -= cost
 
-        freed, self._freed_rows = self._freed_rows, []
-        freed_ids, self._freed_ids = self._freed_ids, []
+        freed, freed_ids, freed_pages = self.take_freed()
         return SchedulerOutput(chunks=chunks, new_rows=new_rows, freed_rows=freed,
-                               freed_request_ids=freed_ids, num_layers=self.num_layers)
+                               freed_request_ids=freed_ids, freed_pages=freed_pages,
+                               num_layers=self.num_layers)
+
+    def take_freed(self) -> tuple[list[int], list[str], np.ndarray]:
+        """Rows, request ids and pages released since the last call (for the worker)."""
+        rows, self._freed_rows = self._freed_rows, []
+        ids, self._freed_ids = self._freed_ids, []
+        pages = np.concatenate(self._freed_pages) if self._freed_pages else np.empty(0, np.int32)
+        self._freed_pages = []
+        return rows, ids, pages
 
     def _plan_chunk(self, req: Request, budget: int) -> tuple[int, int, int, int] | None:
         """-> (tokens, budget cost, layer_start, layer_end), or None if it does not fit."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from sparseserve.kernels import paged_decode_attention
 from sparseserve.worker.sparse_runtime import SparseRuntime
@@ -65,6 +66,7 @@ class ForwardContext:
         if num_decode:
             drows = rows[:num_decode]
             seq_lens = positions[:num_decode] + 1
+            self.dec_rows, self.dec_seq_lens = drows, seq_lens
             width = decode_width or page_table.shape[2]
             self.dec_page_table = page_table[drows, :, :width]  # [Bd, Hkv, W]
             n_pages = torch.div(seq_lens + ps - 1, ps, rounding_mode="floor")
@@ -155,7 +157,6 @@ class ForwardContext:
         if p.start == 0:
             ks = k[p.q_start:p.q_end].transpose(0, 1)  # [Hkv, n, D]
             vs = v[p.q_start:p.q_end].transpose(0, 1)
-            mask, causal = None, True
         else:
             total = p.start + n
             ps = self.kv.page_size
@@ -163,10 +164,24 @@ class ForwardContext:
             hkv, nb = pages.shape
             ks = k_cache[pages].reshape(hkv, nb * ps, -1)[:, :total]
             vs = v_cache[pages].reshape(hkv, nb * ps, -1)[:, :total]
-            qpos = torch.arange(p.start, total, device=q.device)
-            mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]  # [n, total]
-            causal = False
+        return self._sdpa(qs, ks, vs, p.start)
+
+    def _sdpa(self, qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+              start: int) -> torch.Tensor:
+        """Causal attention of a chunk: qs [Hq, n, D] at positions [start, start + n) over
+        ks/vs [Hkv, start + n, D] -> [n, Hq, D]."""
+        n, total = qs.shape[1], ks.shape[1]
+        if start == 0:
+            mask, causal = None, True
+        else:
+            # causal aligned to the bottom right (query i sees keys <= start + i), which keeps
+            # SDPA on its fused kernels instead of materialising a [n, total] mask
+            mask, causal = causal_lower_right(n, total), False
+            if qs.shape[0] != ks.shape[0]:  # the lower-right bias path has no GQA flag
+                g = qs.shape[0] // ks.shape[0]
+                ks, vs = ks.repeat_interleave(g, 0), vs.repeat_interleave(g, 0)
+        gqa = {"enable_gqa": True} if qs.shape[0] != ks.shape[0] else {}
         out = F.scaled_dot_product_attention(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0),
                                              attn_mask=mask, is_causal=causal, scale=self.scale,
-                                             enable_gqa=qs.shape[0] != ks.shape[0])
+                                             **gqa)
         return out[0].transpose(0, 1)  # [n, Hq, D]

@@ -17,6 +17,8 @@ from sparseserve.model.llama import LlamaForCausalLM
 from sparseserve.model.loader import iter_weights
 from sparseserve.request import SamplingParams
 from sparseserve.worker.forward_context import ForwardContext, KVCacheTensors, PrefillSeq
+from sparseserve.worker.offload_cache import TwoTierCache
+from sparseserve.worker.offload_context import OffloadForwardContext
 from sparseserve.worker.sampler import Sampler, SamplingBatch
 from sparseserve.worker.sparse_runtime import SparseRuntime
 
@@ -47,9 +49,13 @@ class ModelRunner:
         max_len = cfg.scheduler.max_model_len
         self.max_blocks = cdiv(max_len, self.page_size)
 
-        with torch.device(self.device):
-            model = LlamaForCausalLM(mc, max_positions=max_len)
-        model = model.to(self.dtype)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)  # build in the final dtype: no fp32 copy of 8B
+        try:
+            with torch.device(self.device):
+                model = LlamaForCausalLM(mc, max_positions=max_len)
+        finally:
+            torch.set_default_dtype(default_dtype)
         if source.kind == "dummy":
             model.init_dummy_weights(cfg.seed)
         else:
@@ -61,19 +67,31 @@ class ModelRunner:
                                  mc.head_dim, self.dtype, self.device)
         rows = cfg.scheduler.max_num_seqs
         self.scratch_row = rows
+        self.offload = None
+        # page ids in the page table: device pages, or host pages with the two-tier cache
+        num_ids = cfg.cache.num_pages
+        if cfg.cache.kv_offload:
+            self.offload = TwoTierCache(cfg.cache, self.num_layers, mc.head_dim, rows,
+                                        self.dtype, self.device)
+            self.offload.attach_device_tier(self.kv.k, self.kv.v)
+            num_ids = cfg.cache.num_host_pages
         self.page_table = torch.zeros((rows + 1, self.num_kv_heads, self.max_blocks),
                                       dtype=torch.int32, device=self.device)
-        self.page_table[self.scratch_row] = cfg.cache.num_pages
+        self.page_table[self.scratch_row] = num_ids
+        # CPU mirror: the saver needs host page ids without asking the device
+        self.page_table_np = np.zeros((rows + 1, self.num_kv_heads, self.max_blocks), np.int32)
+        self.page_table_np[self.scratch_row] = num_ids
         self.row_params: dict[int, SamplingParams] = {}
         self.saved_hidden: dict[str, torch.Tensor] = {}  # layer-segmented prefill state
         self.sampler = Sampler(self.device, cfg.seed)
         self.sparse = None
         if cfg.sparse.enabled:
-            self.sparse = SparseRuntime(cfg.sparse, self.num_layers, cfg.cache.num_pages,
-                                        self.page_size, mc.head_dim, self.dtype, self.device)
+            self.sparse = SparseRuntime(cfg.sparse, self.num_layers, num_ids, self.page_size,
+                                        mc.head_dim, self.dtype, self.device)
         self.keep_logits = False  # evaluation: return each step's logits in RunnerOutput
         self.graphs = None
-        if self.device.type == "cuda" and not cfg.enforce_eager:
+        # decode with the two-tier cache runs eagerly: its saves are host-side work per layer
+        if self.device.type == "cuda" and not cfg.enforce_eager and self.offload is None:
             from sparseserve.worker.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, rows)
             self.graphs.capture()
@@ -82,12 +100,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
-        self._apply_row_changes(out)
+        self.release(out.freed_rows, out.freed_request_ids, out.freed_pages)
+        if self.offload is not None:
+            self.offload.begin_step()
+        for nr in out.new_rows:
+            self.row_params[nr.row] = nr.params
         self._apply_page_diffs(out.chunks)
         # decode tokens first: the decode kernel reads one contiguous block of rows
         chunks = sorted(out.chunks, key=lambda c: not c.is_decode)
-        for rid in out.freed_request_ids:
-            self.saved_hidden.pop(rid, None)  # finished or preempted mid-segment
         if not chunks:
             return RunnerOutput()
 
@@ -100,6 +120,7 @@ class ModelRunner:
             offsets.append(n)
             n += c.num_tokens
         dev = self.device
+        self._np_pos, self._np_rows = np.asarray(pos), np.asarray(rows)
         input_ids = _to_device(ids, torch.long, dev)
         positions = _to_device(pos, torch.long, dev)
         token_rows = _to_device(rows, torch.long, dev)
@@ -119,10 +140,12 @@ class ModelRunner:
                 h = self.model.run_layers(h, positions, ctx, a, b)
                 continue
             sub = [chunks[i] for i in active]
-            idx = torch.cat([torch.arange(offsets[i], offsets[i] + chunks[i].num_tokens)
-                             for i in active]).to(dev)
+            idx_np = np.concatenate([np.arange(offsets[i], offsets[i] + chunks[i].num_tokens)
+                                     for i in active])
+            idx = _to_device(idx_np, torch.long, dev)
             sub_offsets = np.cumsum([0] + [c.num_tokens for c in sub])[:-1].tolist()
-            ctx = self._context(sub, sub_offsets, token_rows[idx], positions[idx])
+            ctx = self._context(sub, sub_offsets, token_rows[idx], positions[idx],
+                                np_idx=idx_np)
             h[idx] = self.model.run_layers(h[idx], positions[idx], ctx, a, b)
 
         for c, off in zip(chunks, offsets):
@@ -151,7 +174,7 @@ class ModelRunner:
         return h
 
     def _context(self, chunks: list[ScheduledChunk], offsets: list[int], rows: torch.Tensor,
-                 positions: torch.Tensor) -> ForwardContext:
+                 positions: torch.Tensor, np_idx: np.ndarray | None = None) -> ForwardContext:
         num_decode = 0
         while num_decode < len(chunks) and chunks[num_decode].is_decode:
             num_decode += 1
@@ -160,8 +183,16 @@ class ModelRunner:
         width = None
         if num_decode:  # pages of the longest decode request (known on the CPU: no sync)
             width = max(cdiv(c.start + 1, self.page_size) for c in chunks[:num_decode])
-        return ForwardContext(self.kv, self.page_table, rows, positions, num_decode, prefills,
-                              self.scale, decode_width=width, sparse=self.sparse)
+        args = (self.kv, self.page_table, rows, positions, num_decode, prefills, self.scale)
+        if self.offload is None:
+            return ForwardContext(*args, decode_width=width, sparse=self.sparse)
+        pos, rws = self._np_pos, self._np_rows
+        if np_idx is not None:
+            pos, rws = pos[np_idx], rws[np_idx]
+        save_pages = self.page_table_np[rws, :, pos // self.page_size]  # [T, Hkv]
+        return OffloadForwardContext(*args, decode_width=width, sparse=self.sparse,
+                                     cache=self.offload, save_pages=save_pages,
+                                     save_offsets=pos % self.page_size)
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
                 t0: float) -> RunnerOutput:
@@ -195,11 +226,14 @@ class ModelRunner:
             result.logprobs[c.request_id] = entry
 
     # ---- bookkeeping ----------------------------------------------------------------------
-    def _apply_row_changes(self, out: SchedulerOutput) -> None:
-        for row in out.freed_rows:
+    def release(self, rows: list[int], request_ids: list[str], pages: np.ndarray) -> None:
+        """Forget finished / preempted requests: their rows, saved states and page residency."""
+        for row in rows:
             self.row_params.pop(row, None)
-        for nr in out.new_rows:
-            self.row_params[nr.row] = nr.params
+        for rid in request_ids:
+            self.saved_hidden.pop(rid, None)  # finished or preempted mid-segment
+        if self.offload is not None:
+            self.offload.free_pages(pages)
 
     def _apply_page_diffs(self, chunks: list[ScheduledChunk]) -> None:
         """Write newly allocated pages into the device page table in one scatter."""
@@ -215,9 +249,10 @@ class ModelRunner:
             h_idx.append(np.tile(np.arange(hkv), nb))
             b_idx.append(np.repeat(blocks, hkv))
             vals.append(c.new_pages.reshape(-1))
-        idx = [_to_device(np.concatenate(x), torch.long, self.device) for x in (r_idx, h_idx, b_idx)]
-        self.page_table[idx[0], idx[1], idx[2]] = _to_device(np.concatenate(vals), torch.int32,
-                                                             self.device)
+        r, h, b, val = (np.concatenate(x) for x in (r_idx, h_idx, b_idx, vals))
+        self.page_table_np[r, h, b] = val
+        idx = [_to_device(x, torch.long, self.device) for x in (r, h, b)]
+        self.page_table[idx[0], idx[1], idx[2]] = _to_device(val, torch.int32, self.device)
 
 
 def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -40,3 +40,25 @@ def test_dummy_llama3_shape_runs(tmp_path):
                         use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
     llm.engine.check_invariants()
+
+
+@pytest.mark.parametrize("h2d, d2h", [("flash", "flash"), ("memcpy", "memcpy"),
+                                      ("flash", "gpu-direct")])
+def test_gpu_forced_offload_equals_resident(tiny_model_dirs, h2d, d2h):
+    """Pinned host tier + HBM slots with FlashH2D / FlashD2H (and the baselines) on the GPU."""
+    path, _ = tiny_model_dirs["llama-gqa"]
+    sparse = dict(device="cuda", dtype="float32", page_size=16, sparse_algorithm="arkvale",
+                  token_budget=64, sink_pages=1, local_pages=1, max_num_seqs=4,
+                  max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS + [[9 + i % 300 for i in range(130)]]]
+    resident = LLM(path, kv_cache_memory_bytes=16 << 20, **sparse).generate(
+        prompts, params, use_tqdm=False)
+    page_bytes = 2 * 3 * 16 * 16 * 4
+    llm = LLM(path, kv_offload=True, kv_cache_memory_bytes=32 * page_bytes,
+              kv_offloading_size=200 * page_bytes / 2**30, h2d_method=h2d, d2h_method=d2h,
+              max_num_batched_tokens=48, **sparse)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in resident]
+    assert llm.engine.get_stats()["cache_misses_total"] > 0
+    llm.engine.check_invariants()

@@ -1,0 +1,149 @@
+"""The two-tier KV cache on the worker side (DESIGN.md §5).
+
+Host tier: every page of every request, per layer `[num_host_pages + 1, page_size, D]` in
+pinned DRAM (the extra page is scratch). Page ids the scheduler allocates are host page ids.
+Device tier: per layer a pool of slots `[num_slots + 1, page_size, D]` (the extra slot is
+scratch) with a residency map page -> slot, a reverse map slot -> page, each slot's last
+access step and owning batch row. All of it lives on the device and is updated there with
+fixed shapes: `retrieve` maps a selection to slots, picks victims for misses (category LRU or
+LRU) and loads the missing pages with FlashH2D (or per-page copies), with no host sync.
+
+New KV is written through to the host tier by the saver (FlashD2H) every step; the runner
+waits for the previous step's saves before it starts a step, so no page is loaded from DRAM
+before its save completed.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sparseserve.config import CacheConfig
+from sparseserve.kvcache.eviction import victim_order
+from sparseserve.transfer import PageLoader, alloc_host_pages, make_saver
+
+
+class TwoTierCache:
+    def __init__(self, cache: CacheConfig, num_layers: int, head_dim: int, num_rows: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.num_layers = num_layers
+        self.page_size = ps = cache.page_size
+        self.num_host_pages = cache.num_host_pages
+        self.num_slots = cache.num_pages
+        self.policy = cache.eviction
+        pin = device.type == "cuda"
+        hp = cache.num_host_pages + 1
+        self.host_k = [alloc_host_pages(hp, ps, head_dim, dtype, pin) for _ in range(num_layers)]
+        self.host_v = [alloc_host_pages(hp, ps, head_dim, dtype, pin) for _ in range(num_layers)]
+        s1 = self.num_slots + 1
+        self.scratch_slot = self.num_slots
+        self.scratch_page = self.num_host_pages
+        self.scratch_row = num_rows
+        # residency: [L, num_host_pages + 1] slot or -1; [L, num_slots + 1] page or -1
+        self.slot_of = torch.full((num_layers, hp), -1, dtype=torch.long, device=device)
+        self.page_of = torch.full((num_layers, s1), -1, dtype=torch.long, device=device)
+        self.last_access = torch.full((num_layers, s1), -1, dtype=torch.long, device=device)
+        self.owner = torch.full((num_layers, s1), num_rows, dtype=torch.long, device=device)
+        # elastic buffer: per-row quota of resident slots per layer (scheduler-settable)
+        self.row_quota = torch.full((num_rows + 1,), self.num_slots, dtype=torch.long,
+                                    device=device)
+        self.step = torch.zeros((), dtype=torch.long, device=device)
+        self.hits = torch.zeros((), dtype=torch.long, device=device)
+        self.misses = torch.zeros((), dtype=torch.long, device=device)
+        self.loader = PageLoader(cache.h2d_method)
+        self.saver = make_saver(cache.d2h_method, self.host_k, self.host_v)
+        self._last_ticket = 0
+
+    # ---- per step -------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Fence: the previous step's saves have landed in DRAM before anything is loaded."""
+        if self._last_ticket:
+            self.saver.wait(self._last_ticket)
+        self.step += 1
+
+    def free_pages(self, pages: np.ndarray) -> None:
+        """Pages returned to the host pool: drop their residency (their ids will be reused)."""
+        if pages.size == 0:
+            return
+        idx = torch.as_tensor(pages, dtype=torch.long).to(self.slot_of.device)
+        slots = self.slot_of[:, idx]  # [L, n]
+        slots = torch.where(slots >= 0, slots, self.scratch_slot)
+        self.page_of.scatter_(1, slots, -1)
+        self.last_access.scatter_(1, slots, -1)
+        self.owner.scatter_(1, slots, self.scratch_row)
+        self.slot_of[:, idx] = -1
+
+    def set_row_quota(self, row: int, quota_slots: int) -> None:
+        self.row_quota[row] = quota_slots
+
+    def save(self, layer: int, k: torch.Tensor, v: torch.Tensor, host_pages: np.ndarray,
+             offsets: np.ndarray) -> None:
+        """Write the step's new K/V [T, Hkv, D] through to DRAM (asynchronously)."""
+        self._last_ticket = self.saver.save(layer, k, v, host_pages, offsets)
+
+    # ---- retrieve -------------------------------------------------------------------------
+    def retrieve(self, layer: int, pages: torch.Tensor, valid: torch.Tensor,
+                 rows: torch.Tensor) -> torch.Tensor:
+        """Map selected host pages to device slots, loading the misses.
+
+        pages [B, Hkv, K] host page ids; valid [B, Hkv, K] bool (entries in the selection);
+        rows [B] batch rows. Returns slots [B, Hkv, K] (scratch slot where not valid)."""
+        shape = pages.shape
+        pages = torch.where(valid, pages.long(), self.scratch_page).reshape(-1)
+        valid = valid.reshape(-1)
+        owner = rows.long()[:, None, None].expand(shape).reshape(-1)
+        slot_of, page_of = self.slot_of[layer], self.page_of[layer]
+        last, own = self.last_access[layer], self.owner[layer]
+        slots = slot_of[pages]
+        hit = valid & (slots >= 0)
+        miss = valid & (slots < 0)
+        self.hits += hit.sum()
+        self.misses += miss.sum()
+        # touch hits first so they cannot become victims
+        last.index_put_((torch.where(hit, slots, self.scratch_slot),), self.step.expand(
+            slots.shape))
+        order = victim_order(last[:-1], own[:-1], self.row_quota, self.step, self.policy)
+        rank = (torch.cumsum(miss.long(), 0) - 1).clamp(min=0)
+        n = order.shape[0]
+        victim = torch.where(miss, order[rank.clamp(max=n - 1)], self.scratch_slot)
+        # unmap what the victims held, map the missing pages to them
+        old = page_of[victim]
+        slot_of.index_put_((torch.where(miss & (old >= 0), old, self.scratch_page),),
+                           torch.full_like(old, -1))
+        page_of.index_put_((victim,), torch.where(miss, pages, -1))
+        slot_of.index_put_((torch.where(miss, pages, self.scratch_page),), victim)
+        last.index_put_((victim,), torch.where(miss, self.step, -1))
+        own.index_put_((victim,), torch.where(miss, owner, self.scratch_row))
+        slot_of[self.scratch_page] = -1
+        page_of[self.scratch_slot] = -1
+        self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
+                         self.dev_v[layer], torch.where(miss, pages, -1), victim)
+        return torch.where(hit, slots, victim).reshape(shape)
+
+    def attach_device_tier(self, dev_k: list[torch.Tensor], dev_v: list[torch.Tensor]) -> None:
+        self.dev_k, self.dev_v = dev_k, dev_v
+
+    # ---- prefill history ------------------------------------------------------------------
+    def gather_host(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of host pages [n] -> device tensors [n, page_size, D] (prefill history)."""
+        n = pages.shape[0]
+        dev = self.slot_of.device
+        k = torch.empty((n,) + self.host_k[layer].shape[1:], dtype=self.host_k[layer].dtype,
+                        device=dev)
+        v = torch.empty_like(k)
+        self.loader.load(self.host_k[layer], self.host_v[layer], k, v, pages.long(),
+                         torch.arange(n, device=dev))
+        return k, v
+
+    # ---- introspection --------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """Counters (reads device values: call when collecting metrics, not per layer)."""
+        saved = self.saver.stats()
+        loaded = self.loader.stats()
+        return {"cache_hits_total": int(self.hits), "cache_misses_total": int(self.misses),
+                "bytes_loaded_total": loaded.bytes, "bytes_saved_total": saved.bytes,
+                "pages_loaded_total": loaded.pages,
+                "resident_slots": int((self.page_of[:, :-1] >= 0).sum())}
+
+    def close(self) -> None:
+        self.saver.wait_all()
+        self.saver.close()

@@ -1,0 +1,118 @@
+"""Forward context over the two-tier cache: page ids are host page ids; decode attends to
+device slots that `retrieve` fills; new K/V is written through to DRAM.
+
+Per layer: save new K/V (FlashD2H) -> decode: select over host pages (summaries stay in HBM)
+-> retrieve (hits map to slots, misses are loaded by FlashH2D) -> store the decode token in its
+(resident) last page -> index pages that filled -> attend over slots. Prefill chunks attend
+over their own K/V plus history gathered from DRAM, and are indexed from that contiguous K.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sparseserve.kernels import paged_decode_attention
+from sparseserve.sparse import LayerSummaries
+from sparseserve.worker.forward_context import ForwardContext, PrefillSeq
+from sparseserve.worker.offload_cache import TwoTierCache
+
+
+class OffloadForwardContext(ForwardContext):
+    def __init__(self, *args, cache: TwoTierCache, save_pages: np.ndarray,
+                 save_offsets: np.ndarray, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cache = cache
+        self.save_pages = save_pages  # [T, Hkv] host page of each new token and head
+        self.save_offsets = save_offsets  # [T]
+
+    def _plan_index(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        pass  # pages are indexed through the two tiers (see _index_via_scratch)
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        cache.save(layer, k, v, self.save_pages, self.save_offsets)
+        out = torch.empty_like(q)
+        nd = self.num_decode
+        summaries = self.sparse.summaries[layer]
+        if nd:
+            out[:nd] = self._decode(layer, q[:nd], k[:nd], v[:nd], summaries)
+        for p in self.prefills:
+            out[p.q_start:p.q_end] = self._offload_prefill(layer, p, q, k, v, summaries)
+        return out
+
+    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                summaries: LayerSummaries) -> torch.Tensor:
+        cache = self.cache
+        sel = self.sparse.algorithm.select(q, self.dec_page_table, self.dec_num_pages,
+                                           self.dec_last_len, summaries, None)
+        if self.on_select is not None:
+            self.on_select(layer, q, sel, self)
+        K = sel.page_table.shape[2]
+        valid = torch.arange(K, device=q.device).view(1, 1, K) < sel.num_pages.unsqueeze(-1)
+        slots = cache.retrieve(layer, sel.page_table, valid, self.dec_rows)
+        # the token's page is the selection's last entry, now resident
+        last_slot = slots.gather(2, (sel.num_pages.long() - 1).unsqueeze(-1))[..., 0]  # [B, Hkv]
+        dev_k, dev_v = cache.dev_k[layer], cache.dev_v[layer]
+        offs = self.store_offsets[:q.shape[0]]
+        dev_k[last_slot, offs] = k
+        dev_v[last_slot, offs] = v
+        self._index_decode_fills(layer, q, last_slot, summaries)
+        return paged_decode_attention(q, dev_k, dev_v, slots.to(torch.int32), sel.num_pages,
+                                      sel.last_page_len, self.scale)
+
+    def _index_decode_fills(self, layer: int, q: torch.Tensor, last_slot: torch.Tensor,
+                            summaries: LayerSummaries) -> None:
+        """Pages this decode step filled: summarise from their slot, store at the host id."""
+        nd, hkv = last_slot.shape
+        fills = ((self.dec_seq_lens % self.kv.page_size) == 0)[:, None].expand(nd, hkv)
+        slot_ids = torch.where(fills, last_slot, -1).reshape(-1).to(torch.int32)
+        host_ids = torch.where(fills, self.store_pages[:nd], self.cache.scratch_page).reshape(-1)
+        queries = q.float().view(nd, hkv, -1, q.shape[-1]).reshape(nd * hkv, -1, q.shape[-1])
+        self._index_via_scratch(self.cache.dev_k[layer], slot_ids, host_ids, summaries,
+                                queries, self.cache.num_slots + 1)
+
+    def _index_via_scratch(self, k_pages: torch.Tensor, read_ids: torch.Tensor,
+                           host_ids: torch.Tensor, summaries: LayerSummaries,
+                           queries: torch.Tensor | None, rows: int) -> None:
+        """index() reads and writes the same row ids; here pages are read at `read_ids` of
+        k_pages and their summaries belong at `host_ids`, so go through a scratch table."""
+        scratch = LayerSummaries({n: torch.zeros((rows, t.shape[1]), dtype=t.dtype,
+                                                 device=t.device)
+                                  for n, t in summaries.tensors.items()})
+        algo = self.sparse.algorithm
+        ntok = torch.full_like(read_ids, self.kv.page_size)
+        algo.index(k_pages, read_ids, ntok, scratch, queries if algo.uses_queries else None)
+        src = torch.where(read_ids >= 0, read_ids.long(), rows - 1)
+        for name, t in summaries.tensors.items():
+            t[host_ids.long()] = scratch[name][src]
+        for t in summaries.tensors.values():
+            t[self.cache.scratch_page] = 0
+
+    def _offload_prefill(self, layer: int, p: PrefillSeq, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, summaries: LayerSummaries) -> torch.Tensor:
+        ps = self.kv.page_size
+        n = p.q_end - p.q_start
+        total = p.start + n
+        ks = k[p.q_start:p.q_end].transpose(0, 1)  # [Hkv, n, D]
+        vs = v[p.q_start:p.q_end].transpose(0, 1)
+        hkv = ks.shape[0]
+        if p.start:
+            nb = -(-p.start // ps)
+            pages = self.page_table[p.row, :, :nb].reshape(-1)  # [Hkv * nb] host pages
+            hk, hv = self.cache.gather_host(layer, pages)
+            hk = hk.view(hkv, nb * ps, -1)[:, :p.start]
+            hv = hv.view(hkv, nb * ps, -1)[:, :p.start]
+            ks, vs = torch.cat([hk, ks], 1), torch.cat([hv, vs], 1)
+        b0, b1 = p.start // ps, total // ps
+        if b1 > b0:  # pages completed by this chunk, summarised from the contiguous K
+            nb = b1 - b0
+            pages_k = ks[:, b0 * ps:b1 * ps].reshape(hkv * nb, ps, -1).contiguous()
+            host_ids = self.page_table[p.row, :, b0:b1].reshape(-1)
+            fill_pos = torch.arange(b0, b1, device=q.device) * ps + ps - 1 - p.start
+            qf = q[p.q_start:p.q_end][fill_pos].float()  # [nb, Hq, D]
+            queries = qf.view(nb, hkv, -1, qf.shape[-1]).transpose(0, 1).reshape(
+                hkv * nb, -1, qf.shape[-1])
+            read = torch.arange(hkv * nb, device=q.device, dtype=torch.int32)
+            self._index_via_scratch(pages_k, read, host_ids, summaries, queries, hkv * nb + 1)
+        return self._sdpa(q[p.q_start:p.q_end].transpose(0, 1), ks, vs, p.start)

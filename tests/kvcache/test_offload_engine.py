@@ -1,0 +1,85 @@
+"""Two-tier cache in the engine (CPU mode: both tiers in CPU memory, a capacity-limited
+device pool): forced offload gives token-for-token the output of everything resident."""
+import random
+
+import pytest
+import torch
+
+from sparseserve import LLM, SamplingParams
+
+LENGTHS = [1, 17, 54, 97, 130]
+PAGE_BYTES = 2 * 3 * 16 * 16 * 4  # K+V, 3 layers, page_size 16, head_dim 16, fp32
+
+
+def prompts(seed=0):
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 320) for _ in range(n)]} for n in LENGTHS]
+
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2)
+SPARSE = dict(page_size=16, sparse_algorithm="arkvale", token_budget=64, sink_pages=1,
+              local_pages=1, max_num_seqs=4, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dirs):
+    return tiny_model_dirs["llama-gqa"][0]
+
+
+def offload_llm(model_dir, slots, **kw):
+    args = dict(SPARSE, kv_offload=True, kv_cache_memory_bytes=slots * PAGE_BYTES,
+                kv_offloading_size=200 * PAGE_BYTES / 2**30)
+    args.update(kw)
+    return LLM(model_dir, **args)
+
+
+@pytest.mark.parametrize("algo", ["arkvale", "quest", "infllm"])
+@pytest.mark.parametrize("eviction", ["category-lru", "lru"])
+def test_forced_offload_equals_resident(model_dir, algo, eviction):
+    resident = LLM(model_dir, **dict(SPARSE, sparse_algorithm=algo)).generate(
+        prompts(), PARAMS, use_tqdm=False)
+    # 32 slots = exactly the mandatory selection of 4 requests x 2 heads x 4 pages
+    llm = offload_llm(model_dir, 32, sparse_algorithm=algo, eviction=eviction,
+                      max_num_batched_tokens=48)
+    outs = llm.generate(prompts(), PARAMS, use_tqdm=False)
+    for a, b in zip(outs, resident):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for t in y:
+                assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4)
+    stats = llm.engine.get_stats()
+    assert stats["cache_misses_total"] > 0 and stats["cache_hits_total"] > 0
+    assert stats["bytes_loaded_total"] > 0 and stats["bytes_saved_total"] > 0
+    llm.engine.check_invariants()
+    assert llm.engine.num_free_pages() == llm.engine.num_total_pages()
+    runner = llm.engine.runner
+    assert int((runner.offload.page_of[:, :-1] >= 0).sum()) == 0, "slots still mapped"
+
+
+def test_offload_many_requests_no_leaks_and_roomy_cache_hits(model_dir):
+    llm = offload_llm(model_dir, 256, max_num_batched_tokens=64)
+    rng = random.Random(2)
+    for _ in range(2):
+        ps = [{"prompt_token_ids": [rng.randrange(3, 320) for _ in range(rng.randrange(1, 120))]}
+              for _ in range(12)]
+        params = [SamplingParams(temperature=rng.choice([0.0, 0.9]), max_tokens=rng.randrange(1, 25))
+                  for _ in ps]
+        outs = llm.generate(ps, params, use_tqdm=False)
+        assert all(o.finished for o in outs)
+        llm.engine.check_invariants()
+        assert llm.engine.num_free_pages() == llm.engine.num_total_pages()
+    off = llm.engine.runner.offload
+    assert int((off.page_of[:, :-1] >= 0).sum()) == 0
+    # residency maps agree with each other
+    for layer in range(3):
+        mapped = off.slot_of[layer, :-1]
+        assert torch.all(off.page_of[layer][mapped[mapped >= 0]] >= 0)
+
+
+def test_offload_config_errors(model_dir):
+    with pytest.raises(ValueError, match="sparse_algorithm"):
+        LLM(model_dir, page_size=16, kv_offload=True, kv_offloading_size=0.001)
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        LLM(model_dir, **dict(SPARSE, kv_offload=True))
+    with pytest.raises(ValueError, match="slots"):
+        offload_llm(model_dir, 8)
