@@ -16,16 +16,22 @@ Per text, the algorithms' summaries of the prefix pages are built once after the
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from sparseserve.bench.fidelity_shared import (RecallMeter, SharedOracle, SharedText, fast_kernels,
+                                               shared_bounds_class)
+from sparseserve.bench.fidelity_variants import CLASSES, VARIANTS
 from sparseserve.config import SparseConfig
 from sparseserve.engine.sched_output import NewRow, ScheduledChunk, SchedulerOutput
 from sparseserve.kvcache.manager import cdiv
 from sparseserve.request import SamplingParams
 from sparseserve.sparse import get_algorithm_class
+from sparseserve.sparse.algorithms import Oracle, Quest
 from sparseserve.worker.sparse_runtime import SparseRuntime
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
@@ -56,12 +62,28 @@ class Setting:
                             self.local_pages, self.dense_layers)
 
 
+@dataclass
+class TailResult:
+    logits: torch.Tensor  # [tail, vocab] fp32
+    recall: dict | None  # RecallMeter.summary() (None for dense)
+
+
+@dataclass
+class Prepared:
+    """A text whose prefix is prefilled: its pages are [base, base + cdiv(len, ps) * Hkv),
+    page id = base + block * Hkv + head."""
+
+    tokens: list[int]
+    prefix_len: int
+    base: int
+    summaries: dict[str, list[dict[str, torch.Tensor]]]  # algorithm -> per layer -> name
+
+
 class TailHarness:
-    """Drives a ModelRunner directly (its LLM's scheduler must stay idle meanwhile).
+    """Drives a ModelRunner directly (its LLM's scheduler must stay idle meanwhile): rows
+    [0, chunk_rows) of the batch, and the pages of each prepared text."""
 
-    Uses batch rows [0, chunk_rows) and physical pages [0, cdiv(len, ps) * Hkv)."""
-
-    def __init__(self, runner, chunk_rows: int = 64, prefill_chunk: int = 2048) -> None:
+    def __init__(self, runner, chunk_rows: int = 64, prefill_chunk: int = 8192) -> None:
         self.runner = runner
         self.ps = runner.page_size
         self.hkv = runner.num_kv_heads
@@ -71,9 +93,6 @@ class TailHarness:
         self.chunk_rows = chunk_rows
         self.prefill_chunk = prefill_chunk
         self._rid = 0
-        self.tokens: list[int] = []
-        self.prefix_len = 0
-        self.prefix_summaries: dict[str, list[dict[str, torch.Tensor]]] = {}
         self.on_select = None  # f(layer, q, selection, ctx) for every sparse decode selection
         runner.keep_logits = True
         self._install_hook()
@@ -90,32 +109,41 @@ class TailHarness:
 
         runner._context = context
 
-    def pages(self, num_tokens: int) -> np.ndarray:
-        """[num_blocks, Hkv] physical pages of the text (block-major)."""
+    def pages(self, num_tokens: int, base: int = 0) -> np.ndarray:
+        """[num_blocks, Hkv] physical pages of a text at `base` (block-major)."""
         nb = cdiv(num_tokens, self.ps)
-        if nb * self.hkv > self.runner.cfg.cache.num_pages:
-            raise ValueError("KV cache too small for the text")
-        return np.arange(nb * self.hkv, dtype=np.int32).reshape(nb, self.hkv)
+        if base + nb * self.hkv > self.runner.cfg.cache.num_pages:
+            raise ValueError("KV cache too small for the texts; raise kv_cache_memory_bytes")
+        return base + np.arange(nb * self.hkv, dtype=np.int32).reshape(nb, self.hkv)
 
-    def _new_id(self) -> str:
+    def num_pages(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.ps) * self.hkv
+
+    def new_id(self) -> str:
         self._rid += 1
         return f"fidelity-{self._rid}"
 
+    def _runtime(self, cfg: SparseConfig) -> SparseRuntime:
+        r = self.runner
+        return SparseRuntime(cfg, self.num_layers, r.cfg.cache.num_pages, self.ps,
+                             r.cfg.model.head_dim, r.dtype, r.device)
+
     @torch.inference_mode()
-    def prefill(self, tokens: list[int], prefix_len: int, algorithms=("quest", "arkvale",
-                                                                        "infllm")) -> None:
-        """Dense prefill of tokens[:prefix_len] at row 0; then the prefix summaries of each
-        summarised algorithm in `algorithms`."""
+    def prefill(self, tokens: list[int], prefix_len: int, base: int = 0,
+                algorithms=("quest", "arkvale", "infllm")) -> Prepared:
+        """Dense prefill of tokens[:prefix_len] (row 0, pages at `base`), then the prefix
+        summaries of each summarised algorithm in `algorithms`."""
         runner = self.runner
-        self.tokens, self.prefix_len = list(tokens), prefix_len
-        pages = self.pages(len(tokens))
+        pages = self.pages(len(tokens), base)
         algos = [a for a in algorithms if get_algorithm_class(a).summary_names]
         query_algo = next((a for a in algos if get_algorithm_class(a).uses_queries), None)
         saved = runner.sparse
-        # a runtime of a query-aware algorithm (if any) indexes the prefix during prefill
+        # a runtime of a query-aware algorithm (if any) indexes the prefix during prefill,
+        # with the prefill's own queries, exactly as the engine's prefill does
         runner.sparse = self._runtime(SparseConfig(query_algo)) if query_algo else None
+        summaries = {}
         try:
-            rid = self._new_id()
+            rid = self.new_id()
             for s in range(0, prefix_len, self.prefill_chunk):
                 e = min(prefix_len, s + self.prefill_chunk)
                 chunk = ScheduledChunk(rid, 0, tokens[s:e], s, 0, self.num_layers,
@@ -123,34 +151,34 @@ class TailHarness:
                 runner.execute(SchedulerOutput(
                     [chunk], new_rows=[NewRow(0, rid, GREEDY)] if s == 0 else []))
             runner.execute(SchedulerOutput([], freed_rows=[0], freed_request_ids=[rid]))
-            self.prefix_summaries = {}
             if query_algo:
-                self.prefix_summaries[query_algo] = [
-                    {n: t.clone() for n, t in s.tensors.items()} for s in runner.sparse.summaries]
+                summaries[query_algo] = [dict(s.tensors) for s in runner.sparse.summaries]
         finally:
             runner.sparse = saved
-        full = pages[:prefix_len // self.ps].reshape(-1)
-        ids = torch.as_tensor(full, device=runner.device)
+        ids = torch.as_tensor(pages[:prefix_len // self.ps].reshape(-1), device=runner.device)
         ntok = torch.full_like(ids, self.ps)
         for a in algos:
-            if a == query_algo:
-                continue
-            rt = self._runtime(SparseConfig(a))
-            for layer in range(self.num_layers):
-                rt.algorithm.index(runner.kv.k[layer], ids, ntok, rt.summaries[layer], None)
-            self.prefix_summaries[a] = [dict(s.tensors) for s in rt.summaries]
+            if a != query_algo:
+                rt = self._runtime(SparseConfig(a))
+                for layer in range(self.num_layers):
+                    rt.algorithm.index(runner.kv.k[layer], ids, ntok, rt.summaries[layer], None)
+                summaries[a] = [dict(s.tensors) for s in rt.summaries]
+        return Prepared(list(tokens), prefix_len, base, summaries)
 
-    def _runtime(self, cfg: SparseConfig) -> SparseRuntime:
-        r = self.runner
-        return SparseRuntime(cfg, self.num_layers, r.cfg.cache.num_pages, self.ps,
-                             r.cfg.model.head_dim, r.dtype, r.device)
-
-    def runtime_for(self, setting: Setting) -> SparseRuntime | None:
+    def runtime_for(self, prep: Prepared, setting: Setting) -> SparseRuntime | None:
+        """A fresh SparseRuntime for `setting` holding the text's prefix summaries."""
         cfg = setting.sparse_config()
         if cfg is None:
             return None
+        variant = VARIANTS.get(cfg.algorithm)
+        if variant is not None:  # a proposed scoring over a registered algorithm's summaries
+            cfg = dataclasses.replace(cfg, algorithm=variant)
         rt = self._runtime(cfg)
-        saved = self.prefix_summaries.get(cfg.algorithm)
+        if variant is not None:
+            a = rt.algorithm
+            rt.algorithm = CLASSES[setting.algorithm](a.page_size, a.budget_pages,
+                                                      a.sink_pages, a.local_pages)
+        saved = prep.summaries.get(cfg.algorithm)
         if rt.algorithm.summary_names and saved is None:
             raise ValueError(f"no prefix summaries for {cfg.algorithm}; pass it to prefill()")
         for layer, s in enumerate(rt.summaries):
@@ -161,43 +189,60 @@ class TailHarness:
 
     # ---- the batched tail -------------------------------------------------------------------
     @torch.inference_mode()
-    def run_tail(self, setting: Setting) -> torch.Tensor:
-        """Teacher-forced logits [tail, vocab] fp32 for tokens P+1 .. len (row t predicts the
-        token after position P + t) under `setting`."""
+    def run_tail(self, prep: Prepared, setting: Setting, fast: bool = True,
+                 measure_recall: bool = True) -> TailResult:
+        """Teacher-forced logits [tail, vocab] fp32 (row t predicts the token after position
+        P + t) under `setting`, and the selections' recall vs the exact top-k.
+
+        fast: evaluate decode attention (and oracle scores) from one shared q·K product per
+        layer (fidelity_shared) instead of the CPU reference kernels' per-row gathers; the
+        same math, tested equal to the engine kernels."""
         runner = self.runner
         saved = runner.sparse
-        runner.sparse = self.runtime_for(setting)
+        rt = self.runtime_for(prep, setting)
+        shared = SharedText(runner.kv, self.hkv, len(prep.tokens), runner.scale, prep.base)
+        if rt is not None and fast:
+            rt.algorithm = _fast_algorithm(rt.algorithm, shared)
+        meter = None
+        if rt is not None and measure_recall:
+            a = rt.algorithm
+            meter = RecallMeter(shared, self.ps, a.budget_pages, a.sink_pages, a.local_pages)
+        runner.sparse = rt
+        self.on_select = meter
         try:
-            pages = self.pages(len(self.tokens))
-            P, n = self.prefix_len, len(self.tokens) - self.prefix_len
+            pages = self.pages(len(prep.tokens), prep.base)
+            P, n = prep.prefix_len, len(prep.tokens) - prep.prefix_len
             out = []
             for t0 in range(0, n, self.chunk_rows):
                 rows = range(min(self.chunk_rows, n - t0))
-                ids = [self._new_id() for _ in rows]
-                chunks = [ScheduledChunk(ids[r], r, [self.tokens[P + t0 + r]], P + t0 + r, 0,
+                ids = [self.new_id() for _ in rows]
+                chunks = [ScheduledChunk(ids[r], r, [prep.tokens[P + t0 + r]], P + t0 + r, 0,
                                          self.num_layers, True, 0, 0, pages) for r in rows]
-                res = runner.execute(SchedulerOutput(
-                    chunks, new_rows=[NewRow(r, ids[r], GREEDY) for r in rows]))
+                shared.set_rows(torch.arange(P + t0 + 1, P + t0 + 1 + len(rows)))
+                with fast_kernels(shared) if fast else contextlib.nullcontext():
+                    res = runner.execute(SchedulerOutput(
+                        chunks, new_rows=[NewRow(r, ids[r], GREEDY) for r in rows]))
                 runner.execute(SchedulerOutput([], freed_rows=list(rows), freed_request_ids=ids))
                 out.append(res.logits)
-            return torch.cat(out)
+            return TailResult(torch.cat(out), meter.summary() if meter else None)
         finally:
             runner.sparse = saved
+            self.on_select = None
 
     @torch.inference_mode()
-    def run_sequential(self, setting: Setting, steps: int) -> torch.Tensor:
-        """Reference: the first `steps` tail tokens decoded one step at a time (one decode
-        row per step, as the engine does). Call right after prefill(). -> [steps, vocab]."""
+    def run_sequential(self, prep: Prepared, setting: Setting, steps: int) -> torch.Tensor:
+        """Reference: the first `steps` tail tokens decoded one step at a time (one decode row
+        per step, as the engine decodes), engine kernels. -> [steps, vocab]."""
         runner = self.runner
         saved = runner.sparse
-        runner.sparse = self.runtime_for(setting)
+        runner.sparse = self.runtime_for(prep, setting)
         try:
-            pages = self.pages(len(self.tokens))
-            rid = self._new_id()
+            pages = self.pages(len(prep.tokens), prep.base)
+            rid = self.new_id()
             out = []
             for t in range(steps):
-                pos = self.prefix_len + t
-                chunk = ScheduledChunk(rid, 0, [self.tokens[pos]], pos, 0, self.num_layers,
+                pos = prep.prefix_len + t
+                chunk = ScheduledChunk(rid, 0, [prep.tokens[pos]], pos, 0, self.num_layers,
                                        True, t, 0, pages)
                 res = runner.execute(SchedulerOutput(
                     [chunk], new_rows=[NewRow(0, rid, GREEDY)] if t == 0 else []))
@@ -206,3 +251,17 @@ class TailHarness:
             return torch.cat(out)
         finally:
             runner.sparse = saved
+
+
+def _fast_algorithm(a, shared: SharedText):
+    """The same selection, scored from the shared text (fidelity_shared), where one exists."""
+    if isinstance(a, Oracle):
+        cls = SharedOracle
+    elif isinstance(a, Quest):  # quest, arkvale and their *-mass variants
+        cls = shared_bounds_class(type(a), mass=type(a) in CLASSES.values())
+    else:
+        return a
+    fast = cls(a.page_size, a.budget_pages, a.sink_pages, a.local_pages)
+    fast.scratch = a.scratch
+    fast.shared = shared
+    return fast

@@ -167,7 +167,7 @@ class Scheduler:
         return ScheduledChunk(
             request_id=req.request_id,
             row=self._rows[req.request_id],
-            token_ids=req.all_token_ids[start:start + n_tokens],
+            token_ids=req.token_slice(start, start + n_tokens),
             start=start,
             layer_start=l0,
             layer_end=l1,

@@ -1,7 +1,8 @@
 """Kernels: leaves that take tensors and ints, never engine objects.
 
-Each kernel has a Triton implementation (``paged_decode``, ``page_summary``, ``page_scores``) and
-a pure-torch reference with the same contract in ``ref``. The functions here dispatch:
+Each kernel has a Triton implementation (``paged_decode``, ``page_summary``, ``page_scores``,
+``page_select``) and a pure-torch reference with the same contract in ``ref``. The functions here
+dispatch:
 
 * ``backend=None`` / ``"auto"``: Triton for CUDA tensors, the torch reference otherwise (the CPU
   engine path; Triton's interpreter is far too slow to serve with).
@@ -18,7 +19,8 @@ import os
 
 from . import ref
 
-__all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "resolve_backend",
+__all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "select_pages",
+           "resolve_backend",
            "patch_triton_interpreter", "BACKENDS", "SCORE_MODES", "ref"]
 
 BACKENDS = ("auto", "triton", "torch")
@@ -98,3 +100,23 @@ def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None, *
         return ref.score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out)
     from .page_scores import score_pages as _triton
     return _triton(q, kmin, kmax, kradius, page_table, num_pages, mode, out)
+
+
+def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
+                 local_pages, out_pages=None, out_num=None, out_blocks=None, *, backend=None,
+                 num_splits=None):
+    """Fused Quest/ArkVale selection (score + kept pages + top-k); see
+    ``page_select.select_pages``.
+
+    q [B, Hq, D], kmin/kmax [S, D], page_table [B, Hkv, W] int32, num_pages [B, Hkv] int32,
+    last_page_len [B] int32 -> pages [B, Hkv, K] int32, num_sel [B, Hkv] int32,
+    blocks [B, Hkv, K] int64 with K = max(1, min(budget_pages - 1, W)) + 1.
+    ``num_splits`` (Triton only): score programs per (request, KV head); 1 = one launch.
+    """
+    if resolve_backend(backend, q) == "torch":
+        return ref.select_pages(q, kmin, kmax, page_table, num_pages, last_page_len,
+                                budget_pages, sink_pages, local_pages, out_pages, out_num,
+                                out_blocks)
+    from .page_select import select_pages as _triton
+    return _triton(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages,
+                   sink_pages, local_pages, out_pages, out_num, out_blocks, num_splits=num_splits)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "SCORE_MODES"]
+__all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "select_pages",
+           "SCORE_MODES"]
 
 SCORE_MODES = ("quest", "arkvale")
 
@@ -142,3 +143,45 @@ def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None):
         return s
     out.copy_(s)
     return out
+
+
+def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
+                 local_pages, out_pages=None, out_num=None, out_blocks=None):
+    """Quest/ArkVale page selection: ``score_pages(mode="quest")`` + kept pages + top-k, exactly
+    ``SparseAlgorithm.select``'s torch path (the spec of ``page_select.select_pages``).
+
+    Args:
+        q:             [B, Hq, D]          decode queries, Hq = Hkv * G
+        kmin, kmax:    [S, D]              summary box rows
+        page_table:    [B, Hkv, W] int32   all of each request's pages in order
+        num_pages:     [B, Hkv] int32      valid entries of page_table (1..W)
+        last_page_len: [B] int32           unused (the caller's Selection carries it)
+        budget_pages, sink_pages, local_pages: ints
+        out_pages / out_num / out_blocks:  optional outputs, written in place
+    Returns:
+        pages [B, Hkv, K] int32 physical ids, num_sel [B, Hkv] int32, blocks [B, Hkv, K] int64
+        logical indices, K = max(1, min(budget - 1, W)) + 1. Entries < num_sel: the kept pages
+        (first ``sink``, last ``local`` incl. the last page) and the top-scoring others in
+        descending score, then the last page at num_sel - 1 (num_sel = min(K, num_pages));
+        entries past it repeat the last page.
+    """
+    B, _, W = page_table.shape
+    scores = score_pages(q, kmin, kmax, None, page_table, num_pages, "quest")   # [B, Hkv, W]
+    n = num_pages.long().unsqueeze(-1)                                         # [B, Hkv, 1]
+    blk = torch.arange(W, device=q.device).view(1, 1, W)
+    kept = ((blk < sink_pages) | (blk >= n - local_pages)) & (blk < n)
+    scores = torch.where(kept, torch.full_like(scores, float("inf")), scores)
+    # the last page is appended at the end of the list (attend needs it there)
+    scores = torch.where(blk == n - 1, torch.full_like(scores, float("-inf")), scores)
+    k = max(1, min(budget_pages - 1, W))
+    vals, idx = scores.topk(k, dim=-1)                                         # [B, Hkv, k]
+    num_sel = (vals > float("-inf")).sum(-1, keepdim=True) + 1                 # [B, Hkv, 1]
+    blocks = torch.cat([idx, torch.zeros_like(idx[..., :1])], dim=-1)          # [B, Hkv, k + 1]
+    last = (n - 1).clamp(min=0)
+    pos = torch.arange(k + 1, device=q.device).view(1, 1, -1)
+    blocks = torch.where(pos >= num_sel - 1, last, blocks)
+    pages = page_table.gather(2, blocks).to(torch.int32)
+    num_sel = num_sel.squeeze(-1).to(torch.int32)
+    outs = (out_pages, out_num, out_blocks)
+    res = (pages, num_sel, blocks)
+    return tuple(r if o is None else o.copy_(r) for o, r in zip(outs, res))

@@ -2,10 +2,12 @@
 and `oracle` (exact top-k pages by true attention mass; an evaluation reference)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
-from sparseserve.kernels import score_pages, update_page_summaries
-from sparseserve.sparse.base import LayerSummaries, SparseAlgorithm, register
+from sparseserve.kernels import score_pages, select_pages, update_page_summaries
+from sparseserve.sparse.base import LayerSummaries, Selection, SparseAlgorithm, register
 
 
 @register("dense")
@@ -23,6 +25,9 @@ class Quest(SparseAlgorithm):
     """Per-channel key min/max; score = sum_c max(q_c M_c, q_c m_c) (an upper bound of q·k)."""
 
     summary_names = ("kmin", "kmax")
+    # one fused kernel for score + kept pages + top-k (kernels.select_pages); False, or
+    # SPARSESERVE_FUSED_SELECT=0 in the environment, falls back to the generic torch select
+    fused_select = os.environ.get("SPARSESERVE_FUSED_SELECT", "1") not in ("0", "")
 
     def index(self, k_cache, page_ids, num_tokens, summaries, queries):
         update_page_summaries(k_cache, page_ids, num_tokens, summaries["kmin"], summaries["kmax"])
@@ -30,6 +35,16 @@ class Quest(SparseAlgorithm):
     def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
         return score_pages(q, summaries["kmin"], summaries["kmax"], None, page_table, num_pages,
                            "quest")
+
+    def select(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
+        """The base select's Selection (same set of pages, entries in block order on the GPU)
+        from one fused kernel: select dominated sparse decode as ~27 separate ops."""
+        if not self.fused_select:
+            return super().select(q, page_table, num_pages, last_page_len, summaries, k_cache)
+        pages, num_sel, blocks = select_pages(
+            q, summaries["kmin"], summaries["kmax"], page_table, num_pages, last_page_len,
+            self.budget_pages, self.sink_pages, self.local_pages)
+        return Selection(pages, num_sel, last_page_len, blocks)
 
 
 @register("arkvale")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from sparseserve.worker.forward_context import ForwardContext
+from sparseserve.worker.offload_context import OffloadForwardContext
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -40,8 +41,12 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         r = self.runner
-        ctx = ForwardContext(r.kv, r.page_table, self.rows[:b], self.positions[:b], b, [],
-                             r.scale, sparse=r.sparse)
+        args = (r.kv, r.page_table, self.rows[:b], self.positions[:b], b, [], r.scale)
+        if r.offload is None:
+            ctx = ForwardContext(*args, sparse=r.sparse)
+        else:
+            ctx = OffloadForwardContext(*args, sparse=r.sparse, cache=r.offload,
+                                        save_pages=None, save_offsets=None)
         h = r.model.embed(self.input_ids[:b])
         h = r.model.run_layers(h, self.positions[:b], ctx, 0, r.num_layers)
         return r.model.compute_logits(h)

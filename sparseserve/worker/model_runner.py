@@ -90,8 +90,10 @@ class ModelRunner:
                                         mc.head_dim, self.dtype, self.device)
         self.keep_logits = False  # evaluation: return each step's logits in RunnerOutput
         self.graphs = None
-        # decode with the two-tier cache runs eagerly: its saves are host-side work per layer
-        if self.device.type == "cuda" and not cfg.enforce_eager and self.offload is None:
+        # the per-page baselines sync on the host, so only the Flash paths are captured
+        capturable = self.offload is None or (self.offload.direct_decode_saves
+                                              and cfg.cache.h2d_method == "flash")
+        if self.device.type == "cuda" and not cfg.enforce_eager and capturable:
             from sparseserve.worker.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, rows)
             self.graphs.capture()

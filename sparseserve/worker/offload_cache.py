@@ -30,6 +30,7 @@ class TwoTierCache:
         self.num_host_pages = cache.num_host_pages
         self.num_slots = cache.num_pages
         self.policy = cache.eviction
+        self.d2h_method = cache.d2h_method
         pin = device.type == "cuda"
         hp = cache.num_host_pages + 1
         self.host_k = [alloc_host_pages(hp, ps, head_dim, dtype, pin) for _ in range(num_layers)]
@@ -41,6 +42,9 @@ class TwoTierCache:
         # residency: [L, num_host_pages + 1] slot or -1; [L, num_slots + 1] page or -1
         self.slot_of = torch.full((num_layers, hp), -1, dtype=torch.long, device=device)
         self.page_of = torch.full((num_layers, s1), -1, dtype=torch.long, device=device)
+        # the scratch page always "hits" the scratch slot: padding lanes and masked entries
+        # never take a real slot
+        self.slot_of[:, self.scratch_page] = self.scratch_slot
         self.last_access = torch.full((num_layers, s1), -1, dtype=torch.long, device=device)
         self.owner = torch.full((num_layers, s1), num_rows, dtype=torch.long, device=device)
         # elastic buffer: per-row quota of resident slots per layer (scheduler-settable)
@@ -52,12 +56,14 @@ class TwoTierCache:
         self.loader = PageLoader(cache.h2d_method)
         self.saver = make_saver(cache.d2h_method, self.host_k, self.host_v)
         self._last_ticket = 0
+        self.direct_bytes_saved = 0  # decode write-through (GPU-direct); the saver counts the rest
 
     # ---- per step -------------------------------------------------------------------------
     def begin_step(self) -> None:
         """Fence: the previous step's saves have landed in DRAM before anything is loaded."""
         if self._last_ticket:
-            self.saver.wait(self._last_ticket)
+            self.saver.wait_all()
+            self._last_ticket = 0
         self.step += 1
 
     def free_pages(self, pages: np.ndarray) -> None:
@@ -71,14 +77,35 @@ class TwoTierCache:
         self.last_access.scatter_(1, slots, -1)
         self.owner.scatter_(1, slots, self.scratch_row)
         self.slot_of[:, idx] = -1
+        self.slot_of[:, self.scratch_page] = self.scratch_slot
 
     def set_row_quota(self, row: int, quota_slots: int) -> None:
         self.row_quota[row] = quota_slots
 
     def save(self, layer: int, k: torch.Tensor, v: torch.Tensor, host_pages: np.ndarray,
              offsets: np.ndarray) -> None:
-        """Write the step's new K/V [T, Hkv, D] through to DRAM (asynchronously)."""
+        """Write new K/V [T, Hkv, D] through to DRAM with the configured saver (async)."""
         self._last_ticket = self.saver.save(layer, k, v, host_pages, offsets)
+
+    @property
+    def direct_decode_saves(self) -> bool:
+        """Decode tokens are written to DRAM by a GPU-direct write on the compute stream (one
+        row per request and head: too small for staging + threads to pay off, and it keeps
+        the decode step capturable); only the per-page-copy baseline goes through its saver."""
+        return self.d2h_method != "memcpy"
+
+    def write_through(self, layer: int, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor,
+                      offsets: torch.Tensor) -> None:
+        """host[pages[t, h], offsets[t]] = k/v[t, h] on the device's stream. k/v [T, Hkv, D];
+        pages [T, Hkv] host ids; offsets [T, 1]."""
+        hk, hv = self.host_k[layer], self.host_v[layer]
+        self.direct_bytes_saved += 2 * k.numel() * k.element_size()  # shapes only: no sync
+        if k.is_cuda:
+            from sparseserve.transfer.gpu_direct import gpu_direct_save
+            gpu_direct_save(hk, hv, k, v, pages, offsets.expand(pages.shape))
+        else:
+            hk[pages, offsets] = k
+            hv[pages, offsets] = v
 
     # ---- retrieve -------------------------------------------------------------------------
     def retrieve(self, layer: int, pages: torch.Tensor, valid: torch.Tensor,
@@ -96,7 +123,7 @@ class TwoTierCache:
         slots = slot_of[pages]
         hit = valid & (slots >= 0)
         miss = valid & (slots < 0)
-        self.hits += hit.sum()
+        self.hits += (hit & (pages != self.scratch_page)).sum()
         self.misses += miss.sum()
         # touch hits first so they cannot become victims
         last.index_put_((torch.where(hit, slots, self.scratch_slot),), self.step.expand(
@@ -113,7 +140,7 @@ class TwoTierCache:
         slot_of.index_put_((torch.where(miss, pages, self.scratch_page),), victim)
         last.index_put_((victim,), torch.where(miss, self.step, -1))
         own.index_put_((victim,), torch.where(miss, owner, self.scratch_row))
-        slot_of[self.scratch_page] = -1
+        slot_of[self.scratch_page] = self.scratch_slot
         page_of[self.scratch_slot] = -1
         self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
                          self.dev_v[layer], torch.where(miss, pages, -1), victim)
@@ -140,7 +167,8 @@ class TwoTierCache:
         saved = self.saver.stats()
         loaded = self.loader.stats()
         return {"cache_hits_total": int(self.hits), "cache_misses_total": int(self.misses),
-                "bytes_loaded_total": loaded.bytes, "bytes_saved_total": saved.bytes,
+                "bytes_loaded_total": loaded.bytes,
+                "bytes_saved_total": saved.bytes + self.direct_bytes_saved,
                 "pages_loaded_total": loaded.pages,
                 "resident_slots": int((self.page_of[:, :-1] >= 0).sum())}
 

@@ -18,12 +18,14 @@ from sparseserve.worker.offload_cache import TwoTierCache
 
 
 class OffloadForwardContext(ForwardContext):
-    def __init__(self, *args, cache: TwoTierCache, save_pages: np.ndarray,
-                 save_offsets: np.ndarray, **kwargs) -> None:
+    def __init__(self, *args, cache: TwoTierCache, save_pages: np.ndarray | None,
+                 save_offsets: np.ndarray | None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cache = cache
-        self.save_pages = save_pages  # [T, Hkv] host page of each new token and head
-        self.save_offsets = save_offsets  # [T]
+        # [T, Hkv] host page of each new token and head, [T] offsets: for the saver (CPU
+        # side); None in a captured decode step, whose saves are all direct
+        self.save_pages = save_pages
+        self.save_offsets = save_offsets
 
     def _plan_index(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
         pass  # pages are indexed through the two tiers (see _index_via_scratch)
@@ -31,9 +33,15 @@ class OffloadForwardContext(ForwardContext):
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
-        cache.save(layer, k, v, self.save_pages, self.save_offsets)
-        out = torch.empty_like(q)
         nd = self.num_decode
+        if nd and cache.direct_decode_saves:
+            cache.write_through(layer, k[:nd], v[:nd], self.store_pages[:nd],
+                                self.store_offsets[:nd])
+        first = nd if cache.direct_decode_saves else 0
+        if k.shape[0] > first:  # prefill rows (and decode rows for the per-page baseline)
+            cache.save(layer, k[first:], v[first:], self.save_pages[first:],
+                       self.save_offsets[first:])
+        out = torch.empty_like(q)
         summaries = self.sparse.summaries[layer]
         if nd:
             out[:nd] = self._decode(layer, q[:nd], k[:nd], v[:nd], summaries)
