@@ -61,7 +61,9 @@ class TeacherForced:
             log(f"[{length}] prefilled {t.name} + dense tail in {time.perf_counter() - t0:.1f}s")
         self.done: dict[str, dict] = {}
 
-    def run(self, s: Setting, phase: str) -> dict:
+    def run(self, s: Setting, phase: str) -> dict | None:
+        if s.algorithm != "dense" and s.sink_pages + s.local_pages > s.token_budget // 32:
+            return None  # the kept pages alone exceed the budget (the engine refuses it)
         if s.key in self.done:
             return self.done[s.key]
         t0 = time.perf_counter()
@@ -121,10 +123,12 @@ def run_fidelity(args, log=print) -> dict:
     longest = lengths[-1]
     algos = list(args.algorithms)
     chunk = min(args.chunk_rows, args.tail)
-    pages_needed = sum(-(-longest // 32) * 3 for _ in range(args.num_texts)) + 64
+    from sparseserve.model.loader import load_model_config, resolve_model_source
+    mc = load_model_config(resolve_model_source(args.model, "auto"))
+    kv_bytes = args.kv_cache_memory_bytes or \
+        mc.kv_bytes_per_token(4) * (longest + 1024) * (args.num_texts + 1)
     llm = LLM(args.model, max_num_seqs=max(chunk, 8), max_model_len=longest,
-              kv_cache_memory_bytes=(pages_needed + 64) * 30 * 32 * 64 * 4 * 2
-              if args.model is None else args.kv_cache_memory_bytes, page_size=32)
+              kv_cache_memory_bytes=kv_bytes, page_size=32)
     tok = llm.get_tokenizer()
     harness = TailHarness(llm.engine.runner, chunk_rows=chunk)
     out = dict(meta=_meta(args), teacher_forced=[], default=None, needle=None)
@@ -145,12 +149,14 @@ def run_fidelity(args, log=print) -> dict:
                 for a in [x for x in algos if x in SERVING]:
                     for b in sweep_budgets:
                         rows.append(tf.run(Setting(a, b, **st), "sweep"))
+            rows = [r for r in rows if r is not None]
             sweep_rows = [r for r in rows if r["length"] == longest]
             # the best value of each knob, together
             combo = _best_knobs(sweep_rows, sweep_budgets)
             for a in [x for x in algos if x in SERVING]:
                 for b in sweep_budgets:
                     rows.append(tf.run(Setting(a, b, **combo), "sweep"))
+            rows = [r for r in rows if r is not None]
             default = choose_default([r for r in rows if r["length"] == longest],
                                      sweep_budgets)
             out["default"] = default
@@ -161,7 +167,7 @@ def run_fidelity(args, log=print) -> dict:
             rows.append(tf.run(Setting(d["algorithm"], b, **knobs), "default"))
             if "oracle" in algos:
                 rows.append(tf.run(Setting("oracle", b, **knobs), "default"))
-    out["teacher_forced"] = rows
+    out["teacher_forced"] = [r for r in rows if r is not None]
     del tfs
     if not args.no_needle:
         out["needle"] = run_needles(args, harness, tok, out["default"], algos, log)

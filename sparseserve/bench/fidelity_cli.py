@@ -50,7 +50,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.quick and args.lengths == [4096, 8192]:
         args.lengths = [512]
     if args.quick and args.budgets == [256, 512, 1024, 2048]:
-        args.budgets = [64, 128]
+        args.budgets = [128, 256]
     if args.quick and args.tail == 256:
         args.tail = 32
     if args.quick and args.num_texts == 3:

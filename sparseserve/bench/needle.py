@@ -201,7 +201,7 @@ def run_needles(args, harness: TailHarness, tok, default: dict | None, algos, lo
     import time
 
     quick = args.quick
-    settings = needle_settings(default, algos, args.budgets)
+    settings = needle_settings(default, algos, [max(args.budgets)] if quick else args.budgets)
     runner = NeedleRunner(harness, max_tokens=8)
     summarised = ("quest", "arkvale", "infllm")
     rows: dict[str, dict] = {}

@@ -56,7 +56,8 @@ class TwoTierCache:
         self.loader = PageLoader(cache.h2d_method)
         self.saver = make_saver(cache.d2h_method, self.host_k, self.host_v)
         self._last_ticket = 0
-        self.direct_bytes_saved = 0  # decode write-through (GPU-direct); the saver counts the rest
+        # bytes of decode write-through (GPU-direct); the saver counts the rest
+        self.direct_bytes_saved = torch.zeros((), dtype=torch.long, device=device)
 
     # ---- per step -------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -99,7 +100,8 @@ class TwoTierCache:
         """host[pages[t, h], offsets[t]] = k/v[t, h] on the device's stream. k/v [T, Hkv, D];
         pages [T, Hkv] host ids; offsets [T, 1]."""
         hk, hv = self.host_k[layer], self.host_v[layer]
-        self.direct_bytes_saved += 2 * k.numel() * k.element_size()  # shapes only: no sync
+        # a device counter, so replays of a captured step count too
+        self.direct_bytes_saved += 2 * k.numel() * k.element_size()
         if k.is_cuda:
             from sparseserve.transfer.gpu_direct import gpu_direct_save
             gpu_direct_save(hk, hv, k, v, pages, offsets.expand(pages.shape))
@@ -168,7 +170,7 @@ class TwoTierCache:
         loaded = self.loader.stats()
         return {"cache_hits_total": int(self.hits), "cache_misses_total": int(self.misses),
                 "bytes_loaded_total": loaded.bytes,
-                "bytes_saved_total": saved.bytes + self.direct_bytes_saved,
+                "bytes_saved_total": saved.bytes + int(self.direct_bytes_saved),
                 "pages_loaded_total": loaded.pages,
                 "resident_slots": int((self.page_of[:, :-1] >= 0).sum())}
 
