@@ -31,7 +31,7 @@ import weakref
 import numpy as np
 import torch
 
-from .common import TransferStats, bits_view, check_save_args, count_page_runs
+from .common import TransferStats, bits_view, check_save_args
 from .staging_ring import StagingRing
 
 __all__ = ["FlashD2HSaver"]
@@ -56,34 +56,188 @@ def _shutdown(q: "queue.SimpleQueue", threads: list) -> None:
             t.join()
 
 
-def _scatter(host_k, host_v, page_size: int, src_k, src_v, pages, offsets) -> None:
-    """host[page, offset] = staged row, for rows with page >= 0.
+class _HostViews:
+    """numpy (integer bit) views of one layer's K or V host tier [P, page_size, D]:
+    ``cube`` [P, ps, D]; ``rows`` [P * ps, D] when the layer is densely packed, else None;
+    ``pages`` [P, ps * D] (a page as one row) when every page is contiguous, else None."""
+    __slots__ = ("cube", "rows", "pages")
 
-    host_k/host_v: numpy [P * page_size, D] row views (or [P, page_size, D] for a layer whose
-    pages are not densely packed); src_k/src_v: [n * H, D] staged rows (token-major);
-    pages: [n, H] int64; offsets: [n, 1] or [n, H] int64."""
-    live = (pages >= 0).reshape(-1)
-    all_live = bool(live.all())
-    if host_k.ndim == 2:
-        rows = (pages * page_size + offsets).reshape(-1)
-        if not all_live:
-            rows, src_k, src_v = rows[live], src_k[live], src_v[live]
-        host_k[rows] = src_k
-        host_v[rows] = src_v
+    def __init__(self, t: torch.Tensor) -> None:
+        a = bits_view(t).numpy()
+        P, ps, D = a.shape
+        self.cube = a
+        self.rows = a.reshape(P * ps, D) if t.is_contiguous() else None
+        self.pages = None
+        if t.stride(2) == 1 and t.stride(1) == D:
+            self.pages = np.lib.stride_tricks.as_strided(a, (P, ps * D),
+                                                         (a.strides[0], a.strides[2]))
+
+
+_EMPTY = np.zeros(0, np.int64)
+MIN_DIRECT_GROUP = 4        # whole pages in a row copied straight from staging (no gather)
+_windows = np.lib.stride_tricks.sliding_window_view
+
+
+def _rects(n: int, r0: int, r1: int):
+    """The head-major rows [r0, r1) of a chunk of n tokens (row r = head r // n, token r % n)
+    as at most 3 rectangles (t0, t1, h0, h1, first row): one head's token range, or whole
+    heads; the rows of each are contiguous in staging."""
+    out = []
+    h, t = divmod(r0, n)
+    hl, tl = divmod(r1 - 1, n)
+    tl += 1
+    if h == hl:
+        return [(t, tl, h, h + 1, r0)]
+    if t:
+        out.append((t, n, h, h + 1, r0))
+        h += 1
+    if tl < n:
+        if hl > h:
+            out.append((0, n, h, hl, h * n))
+        out.append((0, tl, hl, hl + 1, hl * n))
     else:
-        pg = pages.reshape(-1)
-        of = np.broadcast_to(offsets, pages.shape).reshape(-1)
-        if not all_live:
-            pg, of, src_k, src_v = pg[live], of[live], src_k[live], src_v[live]
-        host_k[pg, of] = src_k
-        host_v[pg, of] = src_v
+        out.append((0, n, h, hl + 1, h * n))
+    return out
 
 
-def _host_view(t: torch.Tensor) -> np.ndarray:
-    a = bits_view(t).numpy()
-    if t.is_contiguous():
-        return a.reshape(t.shape[0] * t.shape[1], t.shape[2])
-    return a
+def _full_pages(pg, of, ps: int):
+    """Whole pages of a token-major block: (t, h) such that rows t .. t + ps - 1 of head h are
+    offsets 0 .. ps - 1 of one live page. pg [m, Hs]; of [m, 1] or [m, Hs].
+    -> (t, h) int arrays, head-major order; never overlapping."""
+    m, Hs = pg.shape
+    if m < ps:
+        return _EMPTY, _EMPTY
+    if of.shape[1] == 1:
+        # offsets shared by the heads: candidates from the offset column alone, then the page
+        # must stay the same over the window
+        o = of[:, 0]
+        c = np.flatnonzero(o[:m - ps + 1] == 0)
+        if ps > 1 and c.size:
+            c = c[_windows(np.diff(o) == 1, ps - 1)[c].all(axis=1)]
+        if c.size == 0:
+            return _EMPTY, _EMPTY
+        ok = pg[c] >= 0
+        if ps > 1:
+            ok &= _windows(pg[1:] == pg[:-1], ps - 1, axis=0)[c].all(axis=2)
+    else:
+        c = np.flatnonzero((of[:m - ps + 1] == 0).any(axis=1))
+        if c.size == 0:
+            return _EMPTY, _EMPTY
+        ok = (pg[c] >= 0) & (of[c] == 0)
+        if ps > 1:
+            key = pg * ps + of
+            ok &= _windows(key[1:] - key[:-1] == 1, ps - 1, axis=0)[c].all(axis=2)
+    h, i = np.nonzero(ok.T)
+    return c[i], h
+
+
+def _copy_full_pages(dst_k, dst_v, src_k, src_v, dst_pages, starts, ps: int) -> None:
+    """dst[dst_pages[i]] = staged rows starts[i] .. starts[i] + ps - 1 (one page each).
+
+    Whole pages following each other in staging (starts ps apart: a prefill chunk of one head)
+    are one fancy assignment from a plain view of staging: ps * D element rows (16 KB for
+    64-token bf16 pages of D=128), a single copy. Short groups are gathered through a window
+    view in one call (a second copy)."""
+    D = src_k.shape[1]
+    rowlen = ps * D
+    brk = np.flatnonzero(np.diff(starts) != ps) + 1
+    bounds = [0, *brk.tolist(), starts.size]
+    rest = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b - a >= MIN_DIRECT_GROUP:
+            s0 = int(starts[a])
+            idx = dst_pages[a:b]
+            dst_k[idx] = src_k[s0:s0 + (b - a) * ps].reshape(b - a, rowlen)
+            dst_v[idx] = src_v[s0:s0 + (b - a) * ps].reshape(b - a, rowlen)
+        else:
+            rest.append(np.arange(a, b))
+    if rest:
+        sel = np.concatenate(rest) if len(rest) > 1 else rest[0]
+        st, idx = starts[sel], dst_pages[sel]
+        for dst, src in ((dst_k, src_k), (dst_v, src_v)):
+            win = np.lib.stride_tricks.as_strided(src, (src.shape[0] - ps + 1, rowlen),
+                                                  src.strides, writeable=False)
+            dst[idx] = win[st]
+
+
+def _scatter_rect(host_k, host_v, ps, src_k, src_v, pages, offsets, ta, tb, h0, h1):
+    """One rectangle of _scatter: tokens [ta, tb) x heads [h0, h1) of the save, staged
+    head-major in src_k/src_v [(h1 - h0) * (tb - ta), D]. -> (rows, regions)."""
+    pg = pages[ta:tb, h0:h1]
+    of = offsets[ta:tb] if offsets.shape[1] == 1 else offsets[ta:tb, h0:h1]
+    m, Hs = pg.shape
+    live = pg >= 0
+    nlive = int(np.count_nonzero(live))
+    if nlive == 0:
+        return 0, 0
+    F = 0
+    if host_k.pages is not None and host_v.pages is not None:
+        tc, hc = _full_pages(pg, of, ps)
+        F = int(tc.size)
+    if F:
+        _copy_full_pages(host_k.pages, host_v.pages, src_k, src_v, pg[tc, hc], hc * m + tc, ps)
+        if F * ps == nlive:
+            return nlive, F
+        rest = np.ascontiguousarray(live.T)                    # [Hs, m], head-major
+        rest[hc[:, None], tc[:, None] + np.arange(ps)] = False
+        q = np.flatnonzero(rest)
+    elif nlive == pg.size:
+        q = None                                               # every row, in order
+    else:
+        q = np.flatnonzero(live.T)
+    if q is None:
+        hq, tq = np.divmod(np.arange(pg.size), m)
+    else:
+        hq, tq = np.divmod(q, m)
+        src_k, src_v = src_k[q], src_v[q]
+    pq = pg[tq, hq]
+    oq = of[tq, hq if of.shape[1] > 1 else 0]
+    if host_k.rows is not None and host_v.rows is not None:
+        key = pq * ps + oq
+        host_k.rows[key] = src_k
+        host_v.rows[key] = src_v
+    else:
+        host_k.cube[pq, oq] = src_k
+        host_v.cube[pq, oq] = src_v
+    # page regions among the row-scattered rows (whole pages are regions of their own): a row
+    # starts one unless the previous token of its head is the previous offset of its page
+    t, h = tq + ta, hq + h0
+    prev = t > 0
+    tp, hp = t[prev] - 1, h[prev]
+    cont = (pages[tp, hp] == pq[prev]) & (offsets[tp, hp if offsets.shape[1] > 1 else 0]
+                                          + 1 == oq[prev])
+    return nlive, F + (nlive - F * ps) - int(np.count_nonzero(cont))
+
+
+def _scatter(host_k: _HostViews, host_v: _HostViews, page_size: int, src_k, src_v, pages,
+             offsets, c0: int, n: int, r0: int, r1: int) -> tuple[int, int]:
+    """host[page, offset] = staged row, for the head-major rows [r0, r1) of the chunk of
+    tokens [c0, c0 + n) (row r: head r // n, token c0 + r % n), rows with page >= 0.
+
+    src_k/src_v: [r1 - r0, D] staged rows (head-major: consecutive tokens of one head follow
+    each other); pages: [T, H] int64 of the whole save; offsets: [T, 1] or [T, H] int64.
+    Whole pages (offsets 0 .. ps-1 of one page in consecutive rows) move as one ps * D row
+    each; the other rows (decode tokens, a prefill's first / last partial page) by row
+    scatter. -> (rows written, page regions starting here: exact when summed over a partition
+    of the rows of a save, like ``count_page_runs``)."""
+    rows = regions = 0
+    for t0, t1, h0, h1, s in _rects(n, r0, r1):
+        cnt = (t1 - t0) * (h1 - h0)
+        a, b = _scatter_rect(host_k, host_v, page_size, src_k[s - r0:s - r0 + cnt],
+                             src_v[s - r0:s - r0 + cnt], pages, offsets, c0 + t0, c0 + t1, h0, h1)
+        rows, regions = rows + a, regions + b
+    return rows, regions
+
+
+def _snap_cut(offsets, c0: int, n: int, r: int, ps: int) -> int:
+    """Move the head-major row cut r of a chunk forward to the next page start (offset 0) of
+    its head, at most one page on, so that parts do not split whole pages."""
+    h, t = divmod(r, n)
+    if t == 0:
+        return r
+    col = offsets[c0 + t:c0 + min(n, t + ps), h if offsets.shape[1] > 1 else 0]
+    z = np.flatnonzero(col == 0)
+    return r + int(z[0]) if z.size else r
 
 
 class FlashD2HSaver:
@@ -102,8 +256,8 @@ class FlashD2HSaver:
         for hk, hv in zip(self.host_k, self.host_v):
             if hk.device.type != "cpu" or hv.device.type != "cpu" or hk.shape != hv.shape:
                 raise ValueError("host tiers must be CPU tensors, K and V of the same shape")
-        self._np_k = [_host_view(t) for t in self.host_k]
-        self._np_v = [_host_view(t) for t in self.host_v]
+        self._np_k = [_HostViews(t) for t in self.host_k]
+        self._np_v = [_HostViews(t) for t in self.host_v]
         self.num_threads = num_threads
         self.min_rows_per_part = max(1, min_rows_per_part)
         self.validate = validate
@@ -143,16 +297,20 @@ class FlashD2HSaver:
         esz = a.k.element_size()
         tok_bytes = H * D * esz
         row_bytes = 2 * D * esz
+        ps = self.host_k[layer].shape[1]
         chunk = self._chunk_tokens(tok_bytes) if T else 1
-        plan = []                                      # (c0, c1, [(p0, p1), ...])
+        if ps < chunk < T:
+            chunk -= chunk % ps                        # chunk cuts on page multiples
+        plan = []                                      # (c0, c1, [(r0, r1), ...])
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
-            nparts = min(self.num_threads, max(1, (c1 - c0) * H // self.min_rows_per_part))
-            if nparts == 1:
-                plan.append((c0, c1, [(c0, c1)]))
-                continue
-            cuts = [c0 + (c1 - c0) * i // nparts for i in range(nparts + 1)]
-            plan.append((c0, c1, [(p0, p1) for p0, p1 in zip(cuts[:-1], cuts[1:]) if p1 > p0]))
+            N = (c1 - c0) * H                          # staged rows, head-major
+            nparts = min(self.num_threads, max(1, N // self.min_rows_per_part))
+            cuts = [0]
+            for i in range(1, nparts):
+                cuts.append(max(cuts[-1], _snap_cut(a.offsets, c0, c1 - c0, N * i // nparts, ps)))
+            cuts.append(N)
+            plan.append((c0, c1, [(r0, r1) for r0, r1 in zip(cuts[:-1], cuts[1:]) if r1 > r0]))
         with self._cond:
             self._issued += 1
             ticket = self._issued
@@ -182,20 +340,25 @@ class FlashD2HSaver:
                 views = []
                 for i, src in enumerate((a.k, a.v)):
                     lo = region.start + i * half
-                    dst = self._staging[lo:lo + n * tok_bytes].view(a.k.dtype).view(n, H, D)
+                    # head-major staging [H, n, D]: a head's consecutive tokens are adjacent,
+                    # so whole pages are contiguous ps * D runs for the scatter
+                    dst = self._staging[lo:lo + n * tok_bytes].view(a.k.dtype).view(H, n, D)
+                    hm = src[c0:c1].transpose(0, 1)
                     if cuda:
                         with torch.cuda.stream(side):
-                            dst.copy_(src[c0:c1], non_blocking=True)
+                            # transpose on the device (side stream; the temporary is
+                            # stream-ordered), then one contiguous D2H copy
+                            dst.copy_(hm.contiguous(), non_blocking=True)
                     else:
-                        dst.copy_(src[c0:c1])
+                        dst.copy_(hm)
                     views.append(self._staging_np[lo:lo + n * tok_bytes]
-                                 .view(self._np_k[layer].dtype).reshape(n * H, D))
+                                 .view(self._np_k[layer].cube.dtype).reshape(n * H, D))
                 if cuda:
                     ev = torch.cuda.Event()
                     ev.record(side)
-                for p0, p1 in parts:
+                for r0, r1 in parts:
                     self._queue.put(self._part_task(ticket, region, ev, layer, views, a.pages,
-                                                    a.offsets, c0, p0, p1, row_bytes))
+                                                    a.offsets, c0, c1 - c0, r0, r1, row_bytes))
                     queued += 1
                     region_queued += 1
         except BaseException as exc:
@@ -293,13 +456,13 @@ class FlashD2HSaver:
                 region = self._ring.try_alloc(nbytes)
             return region
 
-    def _part_task(self, ticket, region, ev, layer, views, pages, offsets, c0, p0, p1,
+    def _part_task(self, ticket, region, ev, layer, views, pages, offsets, c0, n, r0, r1,
                    row_bytes):
-        H = pages.shape[1]
+        """Scatter the head-major staged rows [r0, r1) of the chunk of tokens [c0, c0 + n)."""
         ps = self.host_k[layer].shape[1]
         hk, hv = self._np_k[layer], self._np_v[layer]
-        src_k = views[0][(p0 - c0) * H:(p1 - c0) * H]
-        src_v = views[1][(p0 - c0) * H:(p1 - c0) * H]
+        src_k = views[0][r0:r1]
+        src_v = views[1][r0:r1]
 
         def run() -> None:
             err, busy, npages, rows = None, 0.0, 0, 0
@@ -307,11 +470,8 @@ class FlashD2HSaver:
                 if ev is not None:
                     ev.synchronize()
                 t0 = time.perf_counter()
-                pg = pages[p0:p1]
-                _scatter(hk, hv, ps, src_k, src_v, pg, offsets[p0:p1])
+                rows, npages = _scatter(hk, hv, ps, src_k, src_v, pages, offsets, c0, n, r0, r1)
                 busy = time.perf_counter() - t0
-                rows = int((pg >= 0).sum())
-                npages = count_page_runs(pages, offsets, p0, p1)
             except BaseException as exc:  # noqa: BLE001 - reported through wait()
                 err = exc
             with self._cond:

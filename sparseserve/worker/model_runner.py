@@ -107,6 +107,9 @@ class ModelRunner:
             self.offload.begin_step()
         for nr in out.new_rows:
             self.row_params[nr.row] = nr.params
+        if self.offload is not None and (out.new_rows or out.freed_rows):
+            mandatory = self.num_kv_heads * self.cfg.sparse.token_budget // self.page_size
+            self.offload.share_evenly(len(self.row_params), mandatory)
         self._apply_page_diffs(out.chunks)
         # decode tokens first: the decode kernel reads one contiguous block of rows
         chunks = sorted(out.chunks, key=lambda c: not c.is_decode)

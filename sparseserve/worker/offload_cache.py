@@ -81,7 +81,14 @@ class TwoTierCache:
         self.slot_of[:, self.scratch_page] = self.scratch_slot
 
     def set_row_quota(self, row: int, quota_slots: int) -> None:
+        """Elastic buffer: slots (per layer) `row` may keep resident before its pages are
+        evicted ahead of other requests' (its mandatory selection is never evicted)."""
         self.row_quota[row] = quota_slots
+
+    def share_evenly(self, num_active: int, mandatory: int) -> None:
+        """Default quota: an even share of the pool per running request, never below what
+        one decode step of a request selects (its mandatory pages)."""
+        self.row_quota.fill_(max(mandatory, self.num_slots // max(1, num_active)))
 
     def save(self, layer: int, k: torch.Tensor, v: torch.Tensor, host_pages: np.ndarray,
              offsets: np.ndarray) -> None:
