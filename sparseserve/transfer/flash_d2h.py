@@ -5,7 +5,17 @@ copies it with ONE ``copy_`` per K / V into a pinned staging ring, on a side CUD
 first waits on an event recorded on the caller's (compute) stream; worker threads wait for that
 copy and scatter the staged rows into the host pages (numpy fancy indexing on integer views,
 which releases the GIL), overlapped with the compute stream. A save larger than half the ring
-is split into chunks (one copy each) so copying and scattering pipeline.
+is split into chunks (one copy each, cut on page multiples) so copying and scattering pipeline.
+
+Staging is head-major: the side stream first transposes a chunk to ``[Hkv, n, D]`` on the
+device (one extra device copy into a stream-ordered temporary, cheap next to PCIe), so a
+head's consecutive tokens are adjacent in staging and a whole page (offsets 0 .. ps-1 of one
+page in consecutive tokens of one head) is one contiguous ``ps * D`` run. The scatter moves
+whole pages as single rows of a ``[P, ps * D]`` view (one fancy assignment per group of pages
+that follow each other in staging), and only the rest (decode tokens, a prefill's partial
+first / last page, masked rows) by ``D``-element row scatter. Each chunk's head-major rows are
+cut into up to ``num_threads`` equal parts, cuts moved to page starts, so threads write
+disjoint pages. Within one save, rows naming the same (page, offset) twice leave either.
 
 Ordering and safety:
 * Tickets are 1, 2, 3, ...; ``completed_seq()`` is the highest ticket t with every ticket <= t
@@ -31,7 +41,7 @@ import weakref
 import numpy as np
 import torch
 
-from .common import TransferStats, bits_view, check_save_args
+from .common import TransferStats, bits_view, check_save_args, count_page_runs
 from .staging_ring import StagingRing
 
 __all__ = ["FlashD2HSaver"]
@@ -174,39 +184,54 @@ def _scatter_rect(host_k, host_v, ps, src_k, src_v, pages, offsets, ta, tb, h0, 
     if host_k.pages is not None and host_v.pages is not None:
         tc, hc = _full_pages(pg, of, ps)
         F = int(tc.size)
-    if F:
-        _copy_full_pages(host_k.pages, host_v.pages, src_k, src_v, pg[tc, hc], hc * m + tc, ps)
-        if F * ps == nlive:
-            return nlive, F
-        rest = np.ascontiguousarray(live.T)                    # [Hs, m], head-major
-        rest[hc[:, None], tc[:, None] + np.arange(ps)] = False
-        q = np.flatnonzero(rest)
-    elif nlive == pg.size:
-        q = None                                               # every row, in order
-    else:
-        q = np.flatnonzero(live.T)
-    if q is None:
-        hq, tq = np.divmod(np.arange(pg.size), m)
-    else:
-        hq, tq = np.divmod(q, m)
-        src_k, src_v = src_k[q], src_v[q]
+    rows_ok = host_k.rows is not None and host_v.rows is not None
+    if not F:
+        # no whole page (decode tokens, short or unaligned runs): plain row scatter, rows in
+        # staging order (no gather of the source unless rows are masked)
+        ofm = np.broadcast_to(of, pg.shape)
+        q = None if nlive == pg.size else np.flatnonzero(live.T)
+        if q is not None:
+            src_k, src_v = src_k[q], src_v[q]
+        if rows_ok:
+            key = np.ascontiguousarray((pg * ps + of).T).reshape(-1)
+            key = key if q is None else key[q]
+            host_k.rows[key] = src_k
+            host_v.rows[key] = src_v
+        else:
+            pq = np.ascontiguousarray(pg.T).reshape(-1)
+            oq = np.ascontiguousarray(ofm.T).reshape(-1)
+            if q is not None:
+                pq, oq = pq[q], oq[q]
+            host_k.cube[pq, oq] = src_k
+            host_v.cube[pq, oq] = src_v
+        offs_cols = offsets if offsets.shape[1] == 1 else offsets[:, h0:h1]
+        return nlive, count_page_runs(pages[:, h0:h1], offs_cols, ta, tb)
+    _copy_full_pages(host_k.pages, host_v.pages, src_k, src_v, pg[tc, hc], hc * m + tc, ps)
+    if F * ps == nlive:
+        return nlive, F
+    # the rest (a prefill's partial first / last page, masked rows): few rows, gathered
+    rest = np.ascontiguousarray(live.T)                        # [Hs, m], head-major
+    rest[hc[:, None], tc[:, None] + np.arange(ps)] = False
+    q = np.flatnonzero(rest)
+    hq, tq = np.divmod(q, m)
+    src_k, src_v = src_k[q], src_v[q]
     pq = pg[tq, hq]
     oq = of[tq, hq if of.shape[1] > 1 else 0]
-    if host_k.rows is not None and host_v.rows is not None:
+    if rows_ok:
         key = pq * ps + oq
         host_k.rows[key] = src_k
         host_v.rows[key] = src_v
     else:
         host_k.cube[pq, oq] = src_k
         host_v.cube[pq, oq] = src_v
-    # page regions among the row-scattered rows (whole pages are regions of their own): a row
-    # starts one unless the previous token of its head is the previous offset of its page
+    # page regions among these rows (whole pages are regions of their own): a row starts one
+    # unless the previous token of its head is the previous offset of its page
     t, h = tq + ta, hq + h0
     prev = t > 0
     tp, hp = t[prev] - 1, h[prev]
     cont = (pages[tp, hp] == pq[prev]) & (offsets[tp, hp if offsets.shape[1] > 1 else 0]
                                           + 1 == oq[prev])
-    return nlive, F + (nlive - F * ps) - int(np.count_nonzero(cont))
+    return nlive, F + q.size - int(np.count_nonzero(cont))
 
 
 def _scatter(host_k: _HostViews, host_v: _HostViews, page_size: int, src_k, src_v, pages,
