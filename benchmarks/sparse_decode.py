@@ -6,10 +6,15 @@ layer's K/V pool holds every request's pages in a random physical order (fragmen
 (context, batch), CUDA events, median over reps after warm-up, L2 flushed before every rep:
 
 * dense:  ``paged_decode_attention`` over all pages;
-* select: ``SparseAlgorithm.select`` (score kernel + kept pages + fixed top-k + gather) for
-  arkvale and quest; attend: ``paged_decode_attention`` over the selection; their sum; and
-  select + attend captured together in one CUDA graph;
-* select breakdown: the score kernel alone, ``torch.topk`` alone (sorted / unsorted), the rest;
+* select: the algorithm's ``select`` (for arkvale and quest the fused Triton kernel
+  ``kernels.select_pages``: score + kept pages + top-k in one kernel); attend:
+  ``paged_decode_attention`` over the selection; their sum; and select + attend captured together
+  in one CUDA graph;
+* fused: ``kernels.select_pages`` called directly with the run's kernel backend (so ``--smoke``
+  runs the Triton kernel in the interpreter; on the GPU it is ``select`` minus the wrapper);
+* select_unfused: the generic ``SparseAlgorithm.select`` (score kernel + ~25 torch ops + topk),
+  the path the fused kernel replaces, and its breakdown: the score kernel alone,
+  ``torch.topk`` alone (sorted / unsorted), the rest (``select_glue_us``);
 * bytes each reads (dense: all K/V; attend: the selected pages' K/V; select: summaries + page
   table) -> TB/s and its fraction of a device-to-device copy measured in the same run
   (``copy_`` of a 2 GiB buffer, read + write bytes); summary bytes / KV bytes.
@@ -189,7 +194,8 @@ def build_pool(torch, s, device, dtype, ctx, bmax, names):
 
 
 def measure_combo(torch, bench, s, pool, ctx, batch, copy_bw, backend, graphs):
-    from sparseserve.kernels import paged_decode_attention, ref
+    from sparseserve.kernels import paged_decode_attention, ref, select_pages
+    from sparseserve.sparse import SparseAlgorithm
 
     hq, hkv, d, ps = s["num_q_heads"], s["num_kv_heads"], s["head_dim"], s["page_size"]
     k, v, n, last = pool["k"], pool["v"], pool["n"], pool["last"]
@@ -224,13 +230,22 @@ def measure_combo(torch, bench, s, pool, ctx, batch, copy_bw, backend, graphs):
         sparse = lambda: attend(select())  # noqa: E731
         scores = alg.score(q, pt, npg, lpl, summ, k)
         kk = max(1, min(alg.budget_pages - 1, n))  # the top-k select takes
-        r = dict(base, algorithm=name)
+        # the generic path (what select was before the fused kernel), for the comparison
+        unfused = lambda: SparseAlgorithm.select(alg, q, pt, npg, lpl, summ, k)  # noqa: E731
+        box = "kmin" in summ.tensors and "kmax" in summ.tensors
+        fused = lambda: select_pages(  # noqa: E731
+            q, summ["kmin"], summ["kmax"], pt, npg, lpl, alg.budget_pages, alg.sink_pages,
+            alg.local_pages, backend=backend)
+        r = dict(base, algorithm=name, fused_select=bool(
+            getattr(alg, "fused_select", False) and type(alg).select is not SparseAlgorithm.select))
         tm = {"select": bench.time(select), "attend": bench.time(lambda: attend(sel)),
-              "sparse": bench.time(sparse),
+              "sparse": bench.time(sparse), "select_unfused": bench.time(unfused),
               "score": bench.time(lambda: alg.score(q, pt, npg, lpl, summ, k), latency=False),
               "topk": bench.time(lambda: scores.topk(kk, dim=-1), latency=False),
               "topk_unsorted": bench.time(lambda: scores.topk(kk, dim=-1, sorted=False),
                                           latency=False)}
+        if box:
+            tm["fused"] = bench.time(fused)
         for key, val in tm.items():
             r[f"{key}_us"] = val["gpu"]["median"]
             if val["latency"] is not None:
@@ -266,7 +281,9 @@ def measure_combo(torch, bench, s, pool, ctx, batch, copy_bw, backend, graphs):
                  score_bw_tbs=tbs(select_bytes + scores.numel() * 4, r["score_us"]))
         for key in ("attend", "select", "score"):
             r[f"{key}_bw_frac_copy"] = frac(r[f"{key}_bw_tbs"], copy_bw)
-        r["select_glue_us"] = r["select_us"] - r["score_us"] - r["topk_us"]
+        r.setdefault("fused_us", None)
+        r["select_glue_us"] = r["select_unfused_us"] - r["score_us"] - r["topk_us"]
+        r["select_speedup"] = r["select_unfused_us"] / r["select_us"]
         r["select_share"] = r["select_us"] / r["select_plus_attend_us"]
         r.update(summary_bytes=summ_total, kv_pool_bytes=kv_pool_bytes,
                  summary_frac=summ_total / kv_pool_bytes, index_scratch_bytes=scratch,
@@ -282,12 +299,30 @@ def measure_combo(torch, bench, s, pool, ctx, batch, copy_bw, backend, graphs):
             ck["score_max_rel_err"] = ((scores[:b] - sref).abs().max()
                                        / sref.abs().max().clamp(min=1e-6)).item()
         ck["ok"] = all(val < (1e-3 if k.dtype == torch.float32 else 5e-2) for val in ck.values())
+        # fused vs generic selection: the same set up to near-ties (scores differ by rounding)
+        ck["select_set_mismatch_frac"] = _set_mismatch(torch, sel, unfused(), b, n)
+        if box:
+            got = fused()
+            ck["fused_set_mismatch_frac"] = _set_mismatch(
+                torch, type(sel)(got[0], got[1], lpl, got[2]), unfused(), b, n)
         r["checks"] = ck
         r["meets"] = {"ratio": r["ratio"] <= TARGETS["ratio_max"],
                       "attend_bw": (r["attend_bw_frac_copy"] or 0) >= TARGETS["attend_bw_frac_min"],
                       "summary": r["summary_frac"] <= TARGETS["summary_frac_max"]}
         rows.append(r)
     return rows
+
+
+def _set_mismatch(torch, a, b, rows, W):
+    """Fraction of selected entries of a's first ``rows`` requests missing from b's."""
+    def onehot(sel):
+        blk = sel.blocks[:rows].long()
+        m = sel.num_pages[:rows].long().unsqueeze(-1)
+        ok = (torch.arange(blk.shape[2], device=blk.device).view(1, 1, -1) < m).float()
+        z = torch.zeros(*blk.shape[:2], W + 1, device=blk.device)
+        return z.scatter_add_(2, torch.where(ok > 0, blk.clamp(0, W - 1), W), ok)[..., :W]
+    ha, hb = onehot(a), onehot(b)
+    return 1.0 - float((ha.clamp(max=1) * hb.clamp(max=1)).sum() / ha.sum().clamp(min=1))
 
 
 def label(ctx):
@@ -303,8 +338,15 @@ def analyse(rows):
     lines, sugg = [], []
     at = sorted((r for r in sp if r["context"] == top), key=lambda r: (r["batch"], r["algorithm"]))
     for r in at:
+        r = dict(r, select_unfused_us=r.get("select_unfused_us", r["select_us"]))  # older JSON
+        head = f"select {r['select_us']:.1f} us; generic select"
+        if r.get("fused_select"):
+            alone = "-" if r["fused_us"] is None else f"{r['fused_us']:.1f}"
+            head = (f"fused select {r['select_us']:.1f} us (kernel call alone {alone} us; "
+                    f"speed-up {r['select_speedup']:.1f}x over the generic select)")
         lines.append(
-            f"{label(top)} B={r['batch']} {r['algorithm']}: select {r['select_us']:.1f} us = score "
+            f"{label(top)} B={r['batch']} {r['algorithm']}: {head} "
+            f"{r['select_unfused_us']:.1f} us = score "
             f"{r['score_us']:.1f} us ({r['score_bw_tbs'] or 0:.2f} TB/s, "
             f"{r['score_bw_frac_copy'] or 0:.0%} of copy) + topk {r['topk_us']:.1f} us (unsorted "
             f"{r['topk_unsorted_us']:.1f}) + other ops {r['select_glue_us']:.1f} us; attend "
@@ -315,7 +357,8 @@ def analyse(rows):
         sugg.append(f"select dominates at {label(top)} for B in {sorted({r['batch'] for r in dom})}"
                     f"; by bytes alone select reads {dom[0]['select_over_attend_bytes']:.1f}x "
                     "attend (2 summary rows x every page vs K+V of the budget's pages)")
-    tk = [r for r in at if r["topk_us"] > 0.3 * r["select_us"]]
+    generic = [r for r in at if not r.get("fused_select")]  # the fused kernel has no topk/glue
+    tk = [r for r in generic if r["topk_us"] > 0.3 * r["select_us"]]
     if tk:
         worst = max(tk, key=lambda r: r["topk_us"] / r["select_us"])
         sugg.append(f"torch.topk is {worst['topk_us'] / worst['select_us']:.0%} of select at "
@@ -323,18 +366,25 @@ def analyse(rows):
                     f"{worst['pages_per_head']}-wide rows per KV head; sorted=False "
                     f"{worst['topk_unsorted_us']:.1f} us): fuse the top-k into the score kernel "
                     "(per (request, head) radix/threshold select) or at least use sorted=False")
-    gl = [r for r in at if r["select_glue_us"] > 0.3 * r["select_us"]]
+    gl = [r for r in generic if r["select_glue_us"] > 0.3 * r["select_us"]]
     if gl:
         worst = max(gl, key=lambda r: r["select_glue_us"])
         sugg.append(f"the torch ops around score/topk in SparseAlgorithm.select cost "
                     f"{worst['select_glue_us']:.1f} us at B={worst['batch']}: fold the kept-page "
                     "(+inf) / last-page (-inf) masking into the score kernel and emit int32 page "
                     "ids from the top-k (drops ~10 elementwise kernels and 2 full-size temporaries)")
-    slow = [r for r in at if (r["score_bw_frac_copy"] or 0) < 0.6 and r["batch"] >= 16]
+    slow = [r for r in generic if (r["score_bw_frac_copy"] or 0) < 0.6 and r["batch"] >= 16]
     if slow:
         sugg.append(f"the score kernel reaches {min(r['score_bw_frac_copy'] or 0 for r in slow):.0%}"
                     " of copy bandwidth at large batch: tune BLOCK_W / num_warps, or store kmin/kmax"
                     " interleaved per page ([S, 2, D]) so one gather reads both")
+    fz = [r for r in at if r.get("fused_select") and (r["select_bw_frac_copy"] or 0) < 0.5]
+    if fz:
+        worst = min(fz, key=lambda r: r["select_bw_frac_copy"] or 0)
+        sugg.append(f"the fused select (score + topk kernel) reaches "
+                    f"{worst['select_bw_frac_copy'] or 0:.0%} of copy "
+                    f"bandwidth at B={worst['batch']}: try num_splits / block_w / num_warps of "
+                    "kernels.page_select.select_pages (SPARSESERVE_FUSED_SELECT=0: generic path)")
     return {"context": top, "lines": lines, "suggestions": sugg}
 
 
@@ -409,13 +459,15 @@ def print_table(C, rows, copy):
     pct = lambda x, dg=0: C.fmt(x * 100, dg) if x is not None else "-"  # noqa: E731
     out = [[label(r["context"]), r["batch"], r["algorithm"], C.fmt(r["dense_us"]),
             pct(dense.get((r["context"], r["batch"]), {}).get("bw_frac_copy")),
-            C.fmt(r["select_us"]), C.fmt(r["attend_us"]), C.fmt(r["select_plus_attend_us"]),
+            C.fmt(r["select_us"]), C.fmt(r.get("select_unfused_us")), C.fmt(r["attend_us"]),
+            C.fmt(r["select_plus_attend_us"]),
             C.fmt(r["graph_us"]), C.fmt(r["ratio"], 3), C.fmt(r["ratio_graph"], 3),
             pct(r["attend_bw_frac_copy"]), pct(r["select_bw_frac_copy"]), pct(r["summary_frac"], 2)]
            for r in rows if r["algorithm"] != "dense"]
     print(f"device copy: {C.fmt(copy.get('bw_tbs'), 2)} TB/s (read+write); us per layer, "
           "device time; %cp = achieved bandwidth / copy bandwidth")
-    print(C.table(["ctx", "B", "alg", "dense", "dense%cp", "select", "attend", "sel+att", "graph",
+    print(C.table(["ctx", "B", "alg", "dense", "dense%cp", "select", "generic", "attend",
+                   "sel+att", "graph",
                    "sparse/dense", "graph/dense", "att%cp", "sel%cp", "summ%KV"], out))
 
 

@@ -22,6 +22,7 @@ one program per row cannot pull the summaries fast enough, so split mode scores 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -34,6 +35,12 @@ patch_triton_interpreter()
 __all__ = ["select_pages", "MAX_TILE"]
 
 MAX_TILE = 8192  # widest key row held in registers (32 int32 per thread at 8 warps)
+# Untuned defaults (no GPU was at hand when written); None = the heuristics in select_pages.
+# Set here or by environment to sweep them without code changes.
+NUM_SPLITS = int(os.environ.get("SPARSESERVE_SELECT_SPLITS", 0)) or None
+BLOCK_W = int(os.environ.get("SPARSESERVE_SELECT_BLOCK_W", 0)) or None
+NUM_WARPS = int(os.environ.get("SPARSESERVE_SELECT_WARPS", 0)) or None
+SPLIT_PROGRAMS_PER_SM = 2  # split mode until rows alone give this many programs per SM
 
 
 @triton.jit
@@ -153,10 +160,10 @@ def _num_sms(index) -> int:
 
 
 def _default_splits(q, rows: int, chunks: int) -> int:
-    """Programs per row for the score phase: 1 (fused) once rows alone fill the GPU twice over."""
+    """Programs per row for the score phase: 1 (fused) once rows alone fill the GPU."""
     sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if q.is_cuda else 8
-    return max(1, min(chunks, triton.cdiv(2 * sms, rows)))
+    return max(1, min(chunks, triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, rows)))
 
 
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
@@ -207,10 +214,12 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     if B == 0:
         return out_pages, out_num, out_blocks
     keys = torch.empty(B, Hkv, W, dtype=torch.int32, device=dev)  # scratch: one key per page
+    num_splits, block_w, num_warps = (num_splits or NUM_SPLITS, block_w or BLOCK_W,
+                                      num_warps or NUM_WARPS)
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    BLOCK_W = block_w or max(16, min(64, 8192 // BLOCK_D))
+    block_w = block_w or max(16, min(64, 8192 // BLOCK_D))
     TILE = max(16, min(MAX_TILE, triton.next_power_of_2(W)))
-    chunks = triton.cdiv(W, BLOCK_W)
+    chunks = triton.cdiv(W, block_w)
     splits = num_splits or _default_splits(q, B * Hkv, chunks)
     splits = max(1, min(splits, chunks))
     cps = triton.cdiv(chunks, splits)
@@ -221,7 +230,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
             page_table.stride(1), num_pages.stride(0), keys.stride(0), keys.stride(1),
             out_pages.stride(0), out_pages.stride(1), out_blocks.stride(0), out_blocks.stride(1),
             out_num.stride(0), W, k_top, k_out, sink_pages, local_pages, cps)
-    meta = dict(G=Hq // Hkv, D=D, BLOCK_W=BLOCK_W, BLOCK_D=BLOCK_D, TILE=TILE, ONE_TILE=TILE >= W,
+    meta = dict(G=Hq // Hkv, D=D, BLOCK_W=block_w, BLOCK_D=BLOCK_D, TILE=TILE, ONE_TILE=TILE >= W,
                 BLOCK_K=triton.next_power_of_2(k_out))
     if splits == 1:
         _page_select_kernel[(B, Hkv, 1)](*args, **meta, DO_SCORE=True, DO_SELECT=True,

@@ -36,6 +36,10 @@ def _case(npages, Hq, Hkv, D, W, gen, kind):
         q = torch.randn(B, Hq, D, generator=gen)
         mid = torch.randn(S, D, generator=gen)
         half = torch.rand(S, D, generator=gen)
+    # odd requests: q >= 0 against boxes shifted down, so every score is negative and the
+    # order among negative floats decides the selection
+    q[1::2] = q[1::2].abs()
+    mid = mid - (8 if kind == "int" else 3)
     table = torch.tensor(GARBAGE * (B * Hkv * W))[: B * Hkv * W].view(B, Hkv, W)
     table = table.to(torch.int32).clone()
     perm = torch.randperm(S - 1, generator=gen).to(torch.int32)
@@ -97,23 +101,21 @@ NPAGES = [1, 2, 3, 17, 54, 97]
 @pytest.mark.parametrize("kind", ["int", "normal"])
 @pytest.mark.parametrize("Hq,Hkv,D", [(8, 2, 32), (4, 4, 16)])
 @pytest.mark.parametrize("budget", [4, 8, 64])
-@pytest.mark.parametrize("sink,local", [(0, 1), (1, 2), (2, 4), (0, 4), (2, 1)])
+@pytest.mark.parametrize("sink,local", [(0, 1), (1, 2), (2, 4)])
 def test_select_matches_reference(kind, Hq, Hkv, D, budget, sink, local):
     gen = torch.Generator().manual_seed(budget * 31 + sink * 7 + local + Hq + (kind == "int"))
     W = 97 + 3
     q, kmin, kmax, table, num = _case(NPAGES, Hq, Hkv, D, W, gen, kind)
     tol = 0.0 if kind == "int" else 1e-3
-    for splits in (1, 3):
-        got = select_pages(q, kmin, kmax, table, num, None, budget, sink, local,
-                           num_splits=splits)
-        _check(got, q, kmin, kmax, table, num, budget, sink, local, tol)
+    splits = 1 if (budget + sink) % 2 else 3  # fused launch / split score + select launches
+    got = select_pages(q, kmin, kmax, table, num, None, budget, sink, local, num_splits=splits)
+    _check(got, q, kmin, kmax, table, num, budget, sink, local, tol)
 
 
-@pytest.mark.parametrize("kind", ["int", "normal"])
-@pytest.mark.parametrize("W,npages,max_tile", [(5000, [4097, 1, 54], None),
-                                               (4097, [4097, 3000], 1024),
-                                               (1, [1], None), (2, [2, 1], None),
-                                               (3, [3, 2, 1], None), (700, [699, 97], 256)])
+@pytest.mark.parametrize("W,npages,max_tile,kind", [
+    (5000, [4097, 1, 54], None, "normal"), (5000, [4097, 1, 54], None, "int"),
+    (4097, [4097, 3000], 1024, "normal"), (700, [699, 97], 256, "int"),
+    (1, [1], None, "int"), (2, [2, 1], None, "normal"), (3, [3, 2, 1], None, "int")])
 def test_select_wide_rows_and_chunked_search(kind, W, npages, max_tile, monkeypatch):
     """Rows up to 5000 pages; ``max_tile`` forces the search to re-read the key row in tiles."""
     if max_tile is not None:
@@ -121,7 +123,7 @@ def test_select_wide_rows_and_chunked_search(kind, W, npages, max_tile, monkeypa
     gen = torch.Generator().manual_seed(W)
     q, kmin, kmax, table, num = _case(npages, 8, 2, 32, W, gen, kind)
     tol = 0.0 if kind == "int" else 1e-3
-    for budget, sink, local, splits in ((64, 1, 2, 1), (8, 2, 4, 5), (4, 0, 1, None)):
+    for budget, sink, local, splits in ((64, 1, 2, 1), (8, 2, 4, 5)):
         got = select_pages(q, kmin, kmax, table, num, None, budget, sink, local,
                            num_splits=splits)
         _check(got, q, kmin, kmax, table, num, budget, sink, local, tol)
