@@ -114,7 +114,8 @@ def choose_default(rows: list[dict], budgets: list[int]) -> dict:
                 best_mean_top1=best, candidates=len(cands))
 
 
-def run_fidelity(args, log=print) -> dict:
+def run_fidelity(args, log=print, save=None) -> dict:
+    """The whole evaluation; save(out) is called after every phase (partial results)."""
     from sparseserve import LLM
     from sparseserve.bench.needle import run_needles
 
@@ -136,6 +137,12 @@ def run_fidelity(args, log=print) -> dict:
 
     rows = []
     tfs = {}
+
+    def checkpoint():
+        out["teacher_forced"] = [r for r in rows if r is not None]
+        if save:
+            save(out)
+
     for length in reversed(lengths):  # longest first: the sweep decides the default there
         tf = TeacherForced(harness, tok, length, args.num_texts, args.tail, algos + ["infllm"],
                            not args.engine_kernels, log)
@@ -149,6 +156,7 @@ def run_fidelity(args, log=print) -> dict:
                 for a in [x for x in algos if x in SERVING]:
                     for b in sweep_budgets:
                         rows.append(tf.run(Setting(a, b, **st), "sweep"))
+            checkpoint()
             rows = [r for r in rows if r is not None]
             sweep_rows = [r for r in rows if r["length"] == longest]
             # the best value of each knob, together
@@ -167,10 +175,12 @@ def run_fidelity(args, log=print) -> dict:
             rows.append(tf.run(Setting(d["algorithm"], b, **knobs), "default"))
             if "oracle" in algos:
                 rows.append(tf.run(Setting("oracle", b, **knobs), "default"))
-    out["teacher_forced"] = [r for r in rows if r is not None]
-    del tfs
+        checkpoint()
+        del tfs[length], tf
+    checkpoint()
     if not args.no_needle:
         out["needle"] = run_needles(args, harness, tok, out["default"], algos, log)
+        checkpoint()
     out["meta"]["seconds"] = round(time.perf_counter() - t_start, 1)
     return out
 

@@ -63,7 +63,7 @@ def run_eval(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
-    out = run_fidelity(args, log)
+    out = run_fidelity(args, log, save=lambda o: write_results(o, args.out))
     jpath, mpath = write_results(out, args.out)
     log(f"wrote {jpath} and {mpath}")
     if args.plot:

@@ -222,6 +222,7 @@ def shared_bounds_class(cls, mass: bool = False):
 
     class SharedBounds(cls):
         shared: SharedText | None = None
+        fused_select = False  # the generic select, over score() below
 
         def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
             sh = self.shared

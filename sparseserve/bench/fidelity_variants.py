@@ -26,6 +26,8 @@ def _mass_from_bounds(q, kmin, kmax, page_table, num_pages) -> torch.Tensor:
 
 
 class QuestMass(Quest):
+    fused_select = False  # select over this score (the fused kernel scores like quest)
+
     def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
         m = _mass_from_bounds(q, summaries["kmin"], summaries["kmax"], page_table, num_pages)
         w = page_table.shape[2]

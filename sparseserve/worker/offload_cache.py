@@ -14,12 +14,31 @@ before its save completed.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
 from sparseserve.config import CacheConfig
 from sparseserve.kvcache.eviction import victim_order
-from sparseserve.transfer import PageLoader, alloc_host_pages, make_saver
+from sparseserve.transfer import PageLoader, make_saver
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def _alloc_pinned(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Host memory, page-locked when `pin`. torch's pinned allocator rounds each allocation up
+    to a power of two (a 32 GiB tier plus one scratch page would lock 64 GiB), so allocate
+    pageable memory of the exact size and register it with CUDA instead."""
+    t = torch.empty(shape, dtype=dtype)
+    if not pin:
+        return t
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(getattr(rc, "value", rc)) == 0 and t.is_pinned():
+        return t
+    return t.pin_memory()  # registration unavailable: fall back to the caching allocator
 
 
 class TwoTierCache:
@@ -31,10 +50,15 @@ class TwoTierCache:
         self.num_slots = cache.num_pages
         self.policy = cache.eviction
         self.d2h_method = cache.d2h_method
-        pin = device.type == "cuda"
         hp = cache.num_host_pages + 1
-        self.host_k = [alloc_host_pages(hp, ps, head_dim, dtype, pin) for _ in range(num_layers)]
-        self.host_v = [alloc_host_pages(hp, ps, head_dim, dtype, pin) for _ in range(num_layers)]
+        # one tensor for all layers, K and V: [2, L, pages + 1, page_size, D], pinned exactly
+        self._host = _alloc_pinned((2, num_layers, hp, ps, head_dim), dtype,
+                                   device.type == "cuda")
+        self.host_k = list(self._host[0])
+        self.host_v = list(self._host[1])
+        if self._host.is_pinned() and device.type == "cuda":
+            # unregister before the memory goes back to the OS (no-op for pin_memory tensors)
+            weakref.finalize(self, _unregister, self._host.data_ptr())
         s1 = self.num_slots + 1
         self.scratch_slot = self.num_slots
         self.scratch_page = self.num_host_pages
