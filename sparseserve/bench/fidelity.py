@@ -30,15 +30,22 @@ SERVING = ("quest", "arkvale", "infllm")  # candidates for the default (oracle r
 BASE = dict(sink_pages=1, local_pages=2, dense_layers=0)
 
 
-def sweep_settings(quick: bool) -> list[dict]:
-    """One knob at a time around BASE."""
-    if quick:
-        return [dict(sink_pages=2, local_pages=2, dense_layers=0)]
-    return [dict(sink_pages=2, local_pages=2, dense_layers=0),
-            dict(sink_pages=1, local_pages=1, dense_layers=0),
-            dict(sink_pages=1, local_pages=4, dense_layers=0),
-            dict(sink_pages=1, local_pages=2, dense_layers=1),
-            dict(sink_pages=1, local_pages=2, dense_layers=2)]
+SWEEP = ("s2l2d0", "s1l1d0", "s1l4d0", "s1l2d1", "s1l2d2")  # one knob at a time around BASE
+
+
+def parse_setting(text: str) -> dict:
+    """"s2l4d1" -> sink_pages 2, local_pages 4, dense_layers 1."""
+    import re
+
+    m = re.fullmatch(r"s(\d+)l(\d+)d(\d+)", text)
+    if not m:
+        raise ValueError(f"bad setting {text!r}; expected e.g. s2l4d1")
+    return dict(sink_pages=int(m[1]), local_pages=int(m[2]), dense_layers=int(m[3]))
+
+
+def sweep_settings(args) -> list[dict]:
+    names = getattr(args, "sweep_settings", None) or (["s2l2d0"] if args.quick else SWEEP)
+    return [parse_setting(n) for n in names]
 
 
 class TeacherForced:
@@ -152,8 +159,10 @@ def run_fidelity(args, log=print, save=None) -> dict:
             for b in args.budgets:
                 rows.append(tf.run(Setting(a, b, **BASE), "grid"))
         if length == longest:
-            for st in sweep_settings(args.quick):
-                for a in [x for x in algos if x in SERVING]:
+            sweep_algos = [x for x in (getattr(args, "sweep_algorithms", None) or algos)
+                           if x in SERVING and x in algos]
+            for st in sweep_settings(args):
+                for a in sweep_algos:
                     for b in sweep_budgets:
                         rows.append(tf.run(Setting(a, b, **st), "sweep"))
             checkpoint()
@@ -161,7 +170,7 @@ def run_fidelity(args, log=print, save=None) -> dict:
             sweep_rows = [r for r in rows if r["length"] == longest]
             # the best value of each knob, together
             combo = _best_knobs(sweep_rows, sweep_budgets)
-            for a in [x for x in algos if x in SERVING]:
+            for a in sweep_algos:
                 for b in sweep_budgets:
                     rows.append(tf.run(Setting(a, b, **combo), "sweep"))
             rows = [r for r in rows if r is not None]

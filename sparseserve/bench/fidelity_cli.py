@@ -28,6 +28,13 @@ def add_eval_args(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--quick", action="store_true",
                    help="tiny settings (smoke test): short texts, one sweep setting, "
                         "few needles")
+    f.add_argument("--sweep-algorithms", nargs="+", default=None,
+                   help="algorithms of the settings sweep (default: quest arkvale infllm)")
+    f.add_argument("--sweep-settings", nargs="+", default=None,
+                   help="sink/local/dense-layer settings swept, e.g. s2l2d0 s1l4d0 s1l2d2 "
+                        "(default: s2l2d0 s1l1d0 s1l4d0 s1l2d1 s1l2d2)")
+    f.add_argument("--needle-depths", type=float, nargs="+", default=None,
+                   help="depths of the single-needle prompts (default 0.1 0.5 0.9)")
     f.add_argument("--no-needle", action="store_true", help="skip needle-in-a-haystack")
     f.add_argument("--verify-needle", action=argparse.BooleanOptionalAction, default=True,
                    help="cross-check needle answers with LLM.generate (dense and default)")

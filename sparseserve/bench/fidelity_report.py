@@ -131,7 +131,8 @@ def plot(out: dict, path: str, length: int | None = None) -> str:
                     key=lambda r: r["token_budget"])
         if rs:
             ax.plot([r["token_budget"] for r in rs], [100 * r["top1"] for r in rs], marker="s",
-                    linewidth=2.5, color="black", label=f"default: {d['algorithm']} ({_knobs(rs[0])})")
+                    linewidth=2.5, color="black",
+                    label=f"default: {d['algorithm']} ({_knobs(rs[0])})")
     ax.set_xscale("log", base=2)
     budgets = sorted(out["meta"]["budgets"])
     ax.set_xticks(budgets, [str(b) for b in budgets])

@@ -91,7 +91,8 @@ class SharedText:
         w = page_table.shape[2]
         s, _ = self._scores(layer, q)
         valid = torch.arange(w).view(1, 1, w) < num_pages.long().unsqueeze(-1)
-        blocks = torch.where(valid, (page_table.long() - self.base) // self.hkv, self.nb)  # [B, Hkv, W]
+        # [B, Hkv, W] block of each entry (masked entries -> the dropped extra block nb)
+        blocks = torch.where(valid, (page_table.long() - self.base) // self.hkv, self.nb)
         sel = torch.zeros((b, self.hkv, self.nb + 1), dtype=torch.bool)
         sel.scatter_(2, blocks, True)
         last_block = blocks.gather(2, (num_pages.long() - 1).clamp(min=0).unsqueeze(-1))

@@ -210,7 +210,8 @@ def run_needles(args, harness: TailHarness, tok, default: dict | None, algos, lo
     rows: dict[str, dict] = {}
     checks = []
     for length in sorted(args.lengths):
-        stacks = make_haystacks(tok, length, single_depths=(0.5,) if quick else (0.1, 0.5, 0.9),
+        single = (0.5,) if quick else tuple(getattr(args, "needle_depths", None) or (0.1, 0.5, 0.9))
+        stacks = make_haystacks(tok, length, single_depths=single,
                                 multikey_depths=(0.3, 0.7) if quick else DEPTHS)
         for hs in stacks:
             t0 = time.perf_counter()
