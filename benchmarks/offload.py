@@ -285,6 +285,7 @@ class Engine:
             "engine_args": dict(self.kwargs), "load_s": load_s,
             "enforce_eager": bool(self.kwargs.get("enforce_eager", False)),
             "cuda_graphs": graphs is not None,
+            "cuda_graph_error": getattr(eng.runner, "graph_error", None),
             "cuda_graph_batch_sizes": (list(getattr(graphs, "sizes", None) or [])
                                        if graphs is not None else None),
             "device_pages_or_slots": int(cc.num_pages),

@@ -4,6 +4,7 @@ active at each layer, sample. The only host sync per step is the final token cop
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ from sparseserve.worker.offload_cache import TwoTierCache
 from sparseserve.worker.offload_context import OffloadForwardContext
 from sparseserve.worker.sampler import Sampler, SamplingBatch
 from sparseserve.worker.sparse_runtime import SparseRuntime
+
+logger = logging.getLogger("sparseserve")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -93,10 +96,17 @@ class ModelRunner:
         # the per-page baselines sync on the host, so only the Flash paths are captured
         capturable = self.offload is None or (self.offload.direct_decode_saves
                                               and cfg.cache.h2d_method == "flash")
+        self.graph_error: str | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager and capturable:
             from sparseserve.worker.cuda_graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(self, rows)
-            self.graphs.capture()
+            try:
+                self.graphs = DecodeGraphs(self, rows)
+                self.graphs.capture()
+            except Exception as e:  # noqa: BLE001 - eager decode is correct, only slower
+                self.graphs, self.graph_error = None, f"{type(e).__name__}: {e}"
+                logger.warning("CUDA graph capture failed, decoding eagerly: %s",
+                               self.graph_error)
+                torch.cuda.synchronize()
 
     # ---- step -----------------------------------------------------------------------------
     @torch.inference_mode()

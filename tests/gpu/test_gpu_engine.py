@@ -61,4 +61,6 @@ def test_gpu_forced_offload_equals_resident(tiny_model_dirs, h2d, d2h):
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in resident]
     assert llm.engine.get_stats()["cache_misses_total"] > 0
+    if h2d == "flash" and d2h != "memcpy":
+        assert llm.engine.runner.graphs is not None, llm.engine.runner.graph_error
     llm.engine.check_invariants()
