@@ -173,8 +173,9 @@ class TwoTierCache:
         slot_of.index_put_((torch.where(miss, pages, self.scratch_page),), victim)
         last.index_put_((victim,), torch.where(miss, self.step, -1))
         own.index_put_((victim,), torch.where(miss, owner, self.scratch_row))
-        slot_of[self.scratch_page] = self.scratch_slot
-        page_of[self.scratch_slot] = -1
+        # fill_ on a view, not `x[i] = v` (that copies a CPU scalar tensor: not capturable)
+        slot_of[self.scratch_page].fill_(self.scratch_slot)
+        page_of[self.scratch_slot].fill_(-1)
         self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
                          self.dev_v[layer], torch.where(miss, pages, -1), victim)
         return torch.where(hit, slots, victim).reshape(shape)

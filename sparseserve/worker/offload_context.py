@@ -95,7 +95,7 @@ class OffloadForwardContext(ForwardContext):
         for name, t in summaries.tensors.items():
             t[host_ids.long()] = scratch[name][src]
         for t in summaries.tensors.values():
-            t[self.cache.scratch_page] = 0
+            t[self.cache.scratch_page].zero_()  # in place on a view: capturable
 
     def _offload_prefill(self, layer: int, p: PrefillSeq, q: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, summaries: LayerSummaries) -> torch.Tensor:
