@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sparseserve")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    from sparseserve.bench.fidelity_cli import add_eval_args
+    add_eval_args(sub)
     try:
         from sparseserve.server.serve_cli import add_serve_args
         add_serve_args(sub)
@@ -59,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _run_generate(args)
+        if args.command == "eval":
+            from sparseserve.bench.fidelity_cli import run_eval
+            return run_eval(args)
         if getattr(args, "_missing", None):
             print(f"sparseserve serve needs the server extras: pip install 'sparseserve[server]' "
                   f"({args._missing})", file=sys.stderr)
