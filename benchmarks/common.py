@@ -346,3 +346,33 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     out = [line(cells[0]), "  ".join("-" * w for w in widths)]
     out += [line(r) for r in cells[1:]]
     return "\n".join(out)
+
+
+# ---- model selection shared by the engine benchmarks ----------------------------------------
+TINY_OVERRIDES = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      vocab_size=2048, bos_token_id=1, eos_token_id=2)
+
+
+def resolve_model(args, tmpdir: str, max_positions: int) -> tuple[str, dict, str]:
+    """--model / --smoke -> (model argument for sparseserve, HF config dict, display name).
+    Smoke runs get a 2-layer config derived from llama-3-8b, written to tmpdir."""
+    from sparseserve.model.loader.dummy import BUILTIN_DUMMY_CONFIGS, find_builtin
+
+    if args.model is None and args.smoke:
+        cfg = {**copy.deepcopy(BUILTIN_DUMMY_CONFIGS["llama-3-8b"]), **TINY_OVERRIDES,
+               "max_position_embeddings": max_positions}
+        path = os.path.join(tmpdir, "tiny-llama")
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        return path, cfg, "tiny-llama (llama-3-8b dict, 2 layers, hidden 256)"
+    name = args.model or "llama-3-8b"
+    if os.path.isdir(name):
+        with open(os.path.join(name, "config.json")) as f:
+            return name, json.load(f), os.path.basename(os.path.normpath(name))
+    key = find_builtin(name)
+    if key is None:
+        raise SystemExit(f"--model {name!r}: not a built-in dummy config "
+                         f"({sorted(BUILTIN_DUMMY_CONFIGS)}) nor a directory with config.json")
+    return key, copy.deepcopy(BUILTIN_DUMMY_CONFIGS[key]), key

@@ -21,8 +21,6 @@ with tiny workloads, exercising every path in well under a minute (used by the t
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 import os
 import shutil
 import sys
@@ -39,10 +37,6 @@ import numpy as np  # noqa: E402
 PARTS = ("a", "b", "steps")
 TARGET_RATIO_A = 2.0  # issue 2: >= 2x transformers' throughput on workload a
 TARGET_HOST_FRAC = 0.10  # issue 2: host time < 10% of the decode step at batch 32
-TINY_OVERRIDES = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      vocab_size=2048, bos_token_id=1, eos_token_id=2,
-                      max_position_embeddings=2048)
 
 
 @dataclass(frozen=True)
@@ -74,28 +68,6 @@ def log(deadline: C.Deadline, msg: str) -> None:
 
 
 # ---- model ----------------------------------------------------------------------------------
-def resolve_model(args, tmpdir: str) -> tuple[str, dict, str]:
-    """-> (model argument for sparseserve, HF config dict, display name)."""
-    from sparseserve.model.loader.dummy import BUILTIN_DUMMY_CONFIGS, find_builtin
-
-    if args.model is None and args.smoke:
-        cfg = {**copy.deepcopy(BUILTIN_DUMMY_CONFIGS["llama-3-8b"]), **TINY_OVERRIDES}
-        path = os.path.join(tmpdir, "tiny-llama")
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(cfg, f)
-        return path, cfg, "tiny-llama (llama-3-8b dict, 2 layers, hidden 256)"
-    name = args.model or "llama-3-8b"
-    if os.path.isdir(name):
-        with open(os.path.join(name, "config.json")) as f:
-            return name, json.load(f), os.path.basename(os.path.normpath(name))
-    key = find_builtin(name)
-    if key is None:
-        raise SystemExit(f"--model {name!r}: not a built-in dummy config "
-                         f"({sorted(BUILTIN_DUMMY_CONFIGS)}) nor a directory with config.json")
-    return key, copy.deepcopy(BUILTIN_DUMMY_CONFIGS[key]), key
-
-
 def kv_bytes_per_token(cfg: dict, dtype_bytes: int) -> int:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
@@ -556,7 +528,7 @@ def main(argv=None) -> int:
               "warmup": 2 if args.smoke else 5,
               "steps": args.decode_steps or (4 if args.smoke else 40)}
     try:
-        model, cfg, model_name = resolve_model(args, tmpdir)
+        model, cfg, model_name = C.resolve_model(args, tmpdir, 2048)
         setup = {"device": device, "dtype": dtype, "dtype_bytes": 4 if dtype == "float32" else 2,
                  "parts": parts, "decode": decode, "cfg": cfg}
         result = {

@@ -39,9 +39,7 @@ workloads through the same code paths, in well under a minute (used by the tests
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
-import json
 import math
 import os
 import shutil
@@ -60,10 +58,6 @@ PARTS = ("prefill", "decode")
 PREFILL_METHODS = ("nosave", "flash", "memcpy", "gpu-direct")
 TARGET_PREFILL_RATIO = 1.05  # issue 4: FlashD2H prefill <= 1.05x the prefill without saving
 STAT_KEYS = ("cache_hits_total", "cache_misses_total", "bytes_loaded_total", "bytes_saved_total")
-TINY_OVERRIDES = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      vocab_size=2048, bos_token_id=1, eos_token_id=2,
-                      max_position_embeddings=4096)
 
 
 def log(deadline: C.Deadline, msg: str) -> None:
@@ -71,28 +65,6 @@ def log(deadline: C.Deadline, msg: str) -> None:
 
 
 # ---- model / shapes -------------------------------------------------------------------------
-def resolve_model(args, tmpdir: str) -> tuple[str, dict, str]:
-    """-> (model argument for sparseserve, config dict, display name)."""
-    from sparseserve.model.loader.dummy import BUILTIN_DUMMY_CONFIGS, find_builtin
-
-    if args.model is None and args.smoke:
-        cfg = {**copy.deepcopy(BUILTIN_DUMMY_CONFIGS["llama-3-8b"]), **TINY_OVERRIDES}
-        path = os.path.join(tmpdir, "tiny-llama")
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(cfg, f)
-        return path, cfg, "tiny-llama (llama-3-8b dict, 2 layers, hidden 256)"
-    name = args.model or "llama-3-8b"
-    if os.path.isdir(name):
-        with open(os.path.join(name, "config.json")) as f:
-            return name, json.load(f), os.path.basename(os.path.normpath(name))
-    key = find_builtin(name)
-    if key is None:
-        raise SystemExit(f"--model {name!r}: not a built-in dummy config "
-                         f"({sorted(BUILTIN_DUMMY_CONFIGS)}) nor a directory with config.json")
-    return key, copy.deepcopy(BUILTIN_DUMMY_CONFIGS[key]), key
-
-
 class Shape:
     """Byte sizes of the model's KV at a page size (the engine's units)."""
 
@@ -1055,7 +1027,7 @@ def main(argv=None) -> int:
     out_path = os.path.join(args.out, "offload.json")
     tmpdir = tempfile.mkdtemp(prefix="sparseserve-offload-")
     try:
-        model, cfg, model_name = resolve_model(args, tmpdir)
+        model, cfg, model_name = C.resolve_model(args, tmpdir, 4096)
         decode_cfgs = parse_decode_configs(args.decode_configs)
         fractions = parse_fractions(args.cache_fractions)
         settings = {k: v for k, v in vars(args).items() if k != "out"}

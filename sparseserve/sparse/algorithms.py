@@ -7,7 +7,7 @@ import os
 import torch
 
 from sparseserve.kernels import score_pages, select_pages, update_page_summaries
-from sparseserve.sparse.base import LayerSummaries, Selection, SparseAlgorithm, register
+from sparseserve.sparse.base import Selection, SparseAlgorithm, register
 
 
 @register("dense")
