@@ -71,8 +71,8 @@ class TeacherForced:
     def run(self, s: Setting, phase: str) -> dict | None:
         if s.algorithm != "dense" and s.sink_pages + s.local_pages > s.token_budget // 32:
             return None  # the kept pages alone exceed the budget (the engine refuses it)
-        if s.key in self.done:
-            return self.done[s.key]
+        if s.key in self.done:  # evaluated already (maybe in another phase): reuse it
+            return dict(self.done[s.key], phase=phase)
         t0 = time.perf_counter()
         per_text = []
         for t, prep, dense in zip(self.texts, self.preps, self.dense):
@@ -200,9 +200,11 @@ def _best_knobs(rows: list[dict], budgets: list[int]) -> dict:
     best = dict(BASE)
     for knob in BASE:
         vals: dict[int, list[float]] = {}
+        # only algorithms swept on this knob (an algorithm run at BASE only would bias it)
+        swept = {r["algorithm"] for r in rows if r[knob] != BASE[knob]}
         for r in rows:
             others = all(r[k] == BASE[k] for k in BASE if k != knob)
-            if r["algorithm"] in SERVING and r["token_budget"] in budgets and others:
+            if r["algorithm"] in swept and r["token_budget"] in budgets and others:
                 vals.setdefault(r[knob], []).append(r["top1"])
         if vals:
             best[knob] = max(vals, key=lambda v: sum(vals[v]) / len(vals[v]))
