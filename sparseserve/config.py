@@ -40,6 +40,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"  # dtype the checkpoint was saved in
     name: str = ""
+    # Mistral v0.1-style sliding-window attention (None: full attention)
+    sliding_window: int | None = None
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -90,6 +92,8 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
             name=name,
+            sliding_window=(int(cfg["sliding_window"]) if cfg.get("sliding_window")
+                            and cfg.get("use_sliding_window", True) else None),
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:

@@ -131,7 +131,8 @@ class EngineArgs:
                              "kv_cache_memory_bytes / gpu_memory_utilization.")
         max_len = self.max_model_len
         if max_len is None:
-            max_len = min(mc.max_position_embeddings, capacity_tokens)
+            max_len = min(mc.max_position_embeddings, capacity_tokens,
+                          mc.sliding_window or capacity_tokens)
         elif max_len > mc.max_position_embeddings and source.kind != "dummy":
             raise ValueError(f"max_model_len={max_len} exceeds the model's context length "
                              f"({mc.max_position_embeddings}); the model was not trained for it. "
@@ -142,6 +143,11 @@ class EngineArgs:
                              "kv_cache_memory_bytes or lower max_model_len.")
         if max_len < 1:
             raise ValueError("max_model_len must be >= 1.")
+        if mc.sliding_window is not None and max_len > mc.sliding_window:
+            # attention here is full: beyond the window the model would see more than trained
+            raise ValueError(f"This model uses sliding-window attention ({mc.sliding_window} "
+                             "tokens), which sparseserve does not implement; set max_model_len "
+                             f"<= {mc.sliding_window}.")
         batched = self.max_num_batched_tokens
         if not self.enable_chunked_prefill and batched < max_len:
             batched = max_len  # without chunking a whole prompt must fit in one step

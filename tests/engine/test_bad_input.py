@@ -67,3 +67,17 @@ def test_kv_capacity_errors(tiny_model_dirs):
                    kv_cache_memory_bytes=100_000).create_engine_config()
     with pytest.raises(ValueError, match="page_size"):
         EngineArgs(model=path, page_size=24).create_engine_config()
+
+
+def test_sliding_window_models_are_capped(tmp_path):
+    cfg = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 64,
+           "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_hidden_layers": 1, "max_position_embeddings": 8192,
+           "sliding_window": 256}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="sliding-window"):
+        EngineArgs(model=str(tmp_path), load_format="dummy", max_model_len=1024,
+                   kv_cache_memory_bytes=1 << 24).create_engine_config()
+    ok, _ = EngineArgs(model=str(tmp_path), load_format="dummy", max_model_len=256,
+                       kv_cache_memory_bytes=1 << 24).create_engine_config()
+    assert ok.model.sliding_window == 256 and ok.model.architecture == "mistral"
