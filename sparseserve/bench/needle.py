@@ -198,13 +198,17 @@ def needle_settings(default: dict | None, algos, budgets) -> list[Setting]:
     return out
 
 
-def run_needles(args, harness: TailHarness, tok, default: dict | None, algos, log) -> dict:
+def run_needles(args, harness: TailHarness, tok, default: dict | None, algos, log,
+                save=None) -> dict:
     """Pass rates of every setting on every length's haystacks, plus an LLM.generate check
     of the dense and default settings on one prompt per length."""
     import time
 
     quick = args.quick
     settings = needle_settings(default, algos, [max(args.budgets)] if quick else args.budgets)
+    only = getattr(args, "needle_settings", None)
+    if only:  # a subset, by key (e.g. "dense", "quest/b2048/s1/l2/d0")
+        settings = [s for s in settings if s.key in only]
     runner = NeedleRunner(harness, max_tokens=8)
     summarised = ("quest", "arkvale", "infllm")
     rows: dict[str, dict] = {}
@@ -224,6 +228,8 @@ def run_needles(args, harness: TailHarness, tok, default: dict | None, algos, lo
                                                depth=q.depth, answer=q.answer,
                                                output=tok.decode(g), tokens=g,
                                                passed=passed(tok, g, q.answer)))
+            if save is not None:
+                save(dict(settings=list(rows.values()), llm_generate_checks=checks))
             log(f"[needle {length}] {hs.name}: {len(settings)} settings in "
                 f"{time.perf_counter() - t0:.1f}s; dense "
                 f"{[r['output'] for r in rows['dense']['results'][-len(hs.questions):]]}")
