@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sparseserve.transfer import FlashD2HSaver
-from sparseserve.transfer import flash_d2h as fd
+from sparseserve.transfer import page_scatter as pscat
 from sparseserve.transfer.common import page_runs
 
 from . import DEV, PIN, batch_layout, filled, random_bits, same_bits
@@ -95,13 +95,13 @@ def test_whole_pages_take_the_page_path(monkeypatch):
     to copy directly (gathered); a decode step moves rows only."""
     ps, P, dtype = 16, 64, torch.bfloat16
     calls = {"full": 0}
-    orig = fd._copy_full_pages
+    orig = pscat._copy_full_pages
 
     def spy(*a, **kw):
         calls["full"] += len(a[4])
         return orig(*a, **kw)
 
-    monkeypatch.setattr(fd, "_copy_full_pages", spy)
+    monkeypatch.setattr(pscat, "_copy_full_pages", spy)
     gen = torch.Generator().manual_seed(0)
     rng = np.random.default_rng(0)
     hk, hv = filled((P, ps, D), dtype, SENTINEL), filled((P, ps, D), dtype, SENTINEL)
@@ -110,11 +110,11 @@ def test_whole_pages_take_the_page_path(monkeypatch):
     k = random_bits((len(pages), H, D), dtype, gen)
     v = random_bits((len(pages), H, D), dtype, gen)
     want_k, want_v = _reference(hk, hv, k, v, pages, offs)
-    hkv = (fd._HostViews(hk), fd._HostViews(hv))
+    hkv = (pscat._HostViews(hk), pscat._HostViews(hv))
     kh = k.transpose(0, 1).contiguous().view(torch.int16).numpy().reshape(-1, D)
     vh = v.transpose(0, 1).contiguous().view(torch.int16).numpy().reshape(-1, D)
     n = len(pages)
-    rows, regions = fd._scatter(*hkv, ps, kh, vh, pages, offs[:, None], 0, n, 0, n * H)
+    rows, regions = pscat._scatter(*hkv, ps, kh, vh, pages, offs[:, None], 0, n, 0, n * H)
     assert calls["full"] == 7 * H
     assert (rows, regions) == (n * H, 8 * H)
     assert same_bits(hk, want_k) and same_bits(hv, want_v)
@@ -128,7 +128,7 @@ def test_whole_pages_take_the_page_path(monkeypatch):
     want_k, want_v = _reference(hk, hv, k2, v2, pages2, offs2)
     kh = k2.transpose(0, 1).contiguous().view(torch.int16).numpy().reshape(-1, D)
     vh = v2.transpose(0, 1).contiguous().view(torch.int16).numpy().reshape(-1, D)
-    assert fd._scatter(*hkv, ps, kh, vh, pages2, offs2[:, None], 0, 2, 0, 2 * H) == (2 * H - 1,) * 2
+    assert pscat._scatter(*hkv, ps, kh, vh, pages2, offs2[:, None], 0, 2, 0, 2 * H) == (2 * H - 1,) * 2
     assert calls["full"] == 0
     assert same_bits(hk, want_k) and same_bits(hv, want_v)
 
@@ -146,7 +146,7 @@ def test_full_pages_brute_force():
         if rng.random() < 0.6:
             of[:] = ((np.arange(m) + int(rng.integers(0, ps))) % ps)[:, None]
         ob = np.broadcast_to(of, pg.shape)
-        t, h = fd._full_pages(pg, of, ps)
+        t, h = pscat._full_pages(pg, of, ps)
         want = [(i, j) for j in range(Hh) for i in range(m - ps + 1)
                 if pg[i, j] >= 0 and all(pg[i + k, j] == pg[i, j] and ob[i + k, j] == k
                                          for k in range(ps))]
@@ -160,7 +160,7 @@ def test_rects_partition_rows():
             for r0 in range(0, H_ * n):
                 for r1 in range(r0 + 1, H_ * n + 1):
                     got = []
-                    for t0, t1, h0, h1, s in fd._rects(n, r0, r1):
+                    for t0, t1, h0, h1, s in pscat._rects(n, r0, r1):
                         assert h1 - h0 == 1 or (t0, t1) == (0, n)
                         assert s == h0 * n + t0
                         got += [h * n + t for h in range(h0, h1) for t in range(t0, t1)]
