@@ -39,7 +39,9 @@ class Quest(SparseAlgorithm):
     def select(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
         """The base select's Selection (same set of pages, entries in block order on the GPU)
         from one fused kernel: select dominated sparse decode as ~27 separate ops."""
-        if not self.fused_select:
+        # the fused kernel computes Quest's score itself: a subclass that scores differently
+        # goes through the generic path
+        if not self.fused_select or type(self).score is not Quest.score:
             return super().select(q, page_table, num_pages, last_page_len, summaries, k_cache)
         pages, num_sel, blocks = select_pages(
             q, summaries["kmin"], summaries["kmax"], page_table, num_pages, last_page_len,
