@@ -42,7 +42,6 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         # logits [N, V] fp32
         params = batch.params
-        dev = logits.device
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
@@ -57,7 +56,6 @@ class Sampler:
             out.sampled_rank = (logp > sampled[:, None]).sum(dim=-1) + 1
             if k > 0:
                 out.top_logprobs, out.top_ids = logp.topk(k, dim=-1)
-        del dev
         return out
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch,
