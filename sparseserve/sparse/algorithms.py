@@ -82,8 +82,9 @@ class InfLLM(SparseAlgorithm):
 
     def index(self, k_cache, page_ids, num_tokens, summaries, queries):
         rep = summaries["rep"]
-        rows = torch.where(page_ids >= 0, page_ids, rep.shape[0] - 1).long()
-        k = k_cache[rows].float()  # [N, ps, D]
+        live = page_ids >= 0
+        rows = torch.where(live, page_ids, rep.shape[0] - 1).long()  # masked lanes -> scratch row
+        k = k_cache[torch.where(live, page_ids, 0).long()].float()  # [N, ps, D]
         valid = torch.arange(k.shape[1], device=k.device)[None, :] < num_tokens[:, None]
         if queries is None:
             w = valid.float()

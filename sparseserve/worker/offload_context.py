@@ -74,11 +74,14 @@ class OffloadForwardContext(ForwardContext):
         """Pages this decode step filled: summarise from their slot, store at the host id."""
         nd, hkv = last_slot.shape
         fills = ((self.dec_seq_lens % self.kv.page_size) == 0)[:, None].expand(nd, hkv)
-        slot_ids = torch.where(fills, last_slot, -1).reshape(-1).to(torch.int32)
+        n = nd * hkv
+        # gather the n candidate pages, so the scratch table has n + 1 rows, not one per slot
+        pages_k = self.cache.dev_k[layer][last_slot.reshape(-1)]  # [n, page_size, D]
+        read = torch.where(fills.reshape(-1), torch.arange(n, device=q.device), -1)
         host_ids = torch.where(fills, self.store_pages[:nd], self.cache.scratch_page).reshape(-1)
-        queries = q.float().view(nd, hkv, -1, q.shape[-1]).reshape(nd * hkv, -1, q.shape[-1])
-        self._index_via_scratch(self.cache.dev_k[layer], slot_ids, host_ids, summaries,
-                                queries, self.cache.num_slots + 1)
+        queries = q.float().view(nd, hkv, -1, q.shape[-1]).reshape(n, -1, q.shape[-1])
+        self._index_via_scratch(pages_k, read.to(torch.int32), host_ids, summaries, queries,
+                                n + 1)
 
     def _index_via_scratch(self, k_pages: torch.Tensor, read_ids: torch.Tensor,
                            host_ids: torch.Tensor, summaries: LayerSummaries,
