@@ -18,8 +18,8 @@ def add_eval_args(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     f.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
     f.add_argument("--algorithms", nargs="+", default=ALGORITHMS,
-                   help="sparse algorithms (dense is always the baseline); proposed scoring "
-                        "variants: quest-mass, arkvale-mass")
+                   help="sparse algorithms (dense is always the baseline); scoring variants: "
+                        "quest-sum, arkvale-sum (raw bound sums over the GQA group)")
     f.add_argument("--num-texts", type=int, default=3, help="texts per length")
     f.add_argument("--tail", type=int, default=256, help="teacher-forced positions per text")
     f.add_argument("--chunk-rows", type=int, default=256,

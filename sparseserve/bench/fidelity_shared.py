@@ -10,7 +10,8 @@ instead of the CPU reference kernels gathering the whole context once per row. I
 * ``attend``     — a drop-in for ``paged_decode_attention`` (same contract) that evaluates the
   same softmax over the same selected tokens from the shared product (fast mode; tests check
   it equals the engine kernel);
-* ``SharedOracle`` — ``oracle`` scoring from ``page_mass`` (same scores as ``Oracle.score``).
+* ``SharedOracle`` — ``oracle`` scoring from ``page_mass`` (same scores as ``Oracle.score``);
+* ``shared_bounds_class`` — Quest/ArkVale scoring from one summary read for all rows.
 
 The cached product is keyed by layer and checked against the query, so a stale entry can
 never be used.
@@ -21,6 +22,7 @@ import contextlib
 
 import torch
 
+from sparseserve.kernels.ref import mass_from_bounds
 from sparseserve.sparse.algorithms import Oracle
 from sparseserve.sparse.base import SparseAlgorithm
 
@@ -216,10 +218,11 @@ def bound_scores(sh: SharedText, q: torch.Tensor, lo: torch.Tensor, hi: torch.Te
             + torch.einsum("bhgd,hwd->bhgw", qg.clamp(max=0), lo_t))
 
 
-def shared_bounds_class(cls, mass: bool = False):
-    """A subclass of a min/max-summary algorithm (quest, arkvale, or a *-mass variant when
-    mass=True) whose score reads the text's summaries once for all rows (fast mode); its
-    index() is the original's."""
+def shared_bounds_class(cls, mass: bool = True):
+    """A subclass of a min/max-summary algorithm whose score reads the text's summaries once
+    for all rows (fast mode): quest / arkvale's mass scoring (``ref.mass_from_bounds``, the
+    same function the engine's reference uses), or with mass=False the raw sum over the group
+    (the ``*-sum`` variants); its index() is the original's."""
 
     class SharedBounds(cls):
         shared: SharedText | None = None
@@ -232,9 +235,11 @@ def shared_bounds_class(cls, mass: bool = False):
                                      k_cache)
             w = page_table.shape[2]
             u = bound_scores(sh, q, summaries["kmin"], summaries["kmax"], w)
-            s = torch.softmax(u * q.shape[-1] ** -0.5, dim=-1).sum(2) if mass else u.sum(2)
-            return s.masked_fill(torch.arange(w).view(1, 1, w) >= num_pages.unsqueeze(-1),
-                                 float("-inf"))
+            if mass:
+                return mass_from_bounds(u, num_pages, self.sink_pages, self.local_pages,
+                                        q.shape[-1] ** -0.5)
+            return u.sum(2).masked_fill(torch.arange(w).view(1, 1, w)
+                                        >= num_pages.unsqueeze(-1), float("-inf"))
 
     SharedBounds.__name__ = f"Shared{cls.__name__}"
     return SharedBounds

@@ -257,8 +257,8 @@ def _fast_algorithm(a, shared: SharedText):
     """The same selection, scored from the shared text (fidelity_shared), where one exists."""
     if isinstance(a, Oracle):
         cls = SharedOracle
-    elif isinstance(a, Quest):  # quest, arkvale and their *-mass variants
-        cls = shared_bounds_class(type(a), mass=type(a) in CLASSES.values())
+    elif isinstance(a, Quest):  # quest, arkvale (mass scoring) and their *-sum variants
+        cls = shared_bounds_class(type(a), mass=type(a) not in CLASSES.values())
     else:
         return a
     fast = cls(a.page_size, a.budget_pages, a.sink_pages, a.local_pages)

@@ -19,8 +19,8 @@ import os
 
 from . import ref
 
-__all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "select_pages",
-           "resolve_backend",
+__all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "page_mass",
+           "select_pages", "resolve_backend",
            "patch_triton_interpreter", "BACKENDS", "SCORE_MODES", "ref"]
 
 BACKENDS = ("auto", "triton", "torch")
@@ -90,16 +90,38 @@ def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=Non
     return _triton(k_cache, page_ids, num_tokens, kmin, kmax, kradius)
 
 
-def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None, *, backend=None):
-    """Page scores from summaries; see ``page_scores.score_pages``.
+def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None, *, backend=None,
+                per_head=False):
+    """Page upper bounds from summaries, summed over the GQA group; see
+    ``page_scores.score_pages``.
 
     q [B, Hq, D], kmin/kmax/kradius [S, D], page_table [B, Hkv, W] int32, num_pages [B, Hkv]
-    int32, mode "quest" | "arkvale" -> scores [B, Hkv, W] float32 (-inf past num_pages).
+    int32, mode "quest" | "arkvale" -> scores [B, Hkv, W] float32 (-inf past num_pages);
+    ``per_head``: [B, Hkv, G, W], each query head's bound.
     """
     if resolve_backend(backend, q) == "torch":
-        return ref.score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out)
+        return ref.score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out,
+                               per_head)
     from .page_scores import score_pages as _triton
-    return _triton(q, kmin, kmax, kradius, page_table, num_pages, mode, out)
+    return _triton(q, kmin, kmax, kradius, page_table, num_pages, mode, out, per_head)
+
+
+def page_mass(q, kmin, kmax, page_table, num_pages, sink_pages, local_pages, out=None, *,
+              backend=None):
+    """Quest/ArkVale's page scores: estimated attention mass from per-head bounds; see
+    ``ref.mass_from_bounds`` (the generic select's score; the fused ``select_pages`` computes
+    the same inside its kernel).
+
+    q [B, Hq, D], kmin/kmax [S, D], page_table [B, Hkv, W] int32, num_pages [B, Hkv] int32
+    -> [B, Hkv, W] float32: mass for scored pages, +inf for the kept and last pages, -inf past
+    num_pages.
+    """
+    if resolve_backend(backend, q) == "torch":
+        return ref.page_mass(q, kmin, kmax, page_table, num_pages, sink_pages, local_pages, out)
+    from .page_scores import score_pages as _triton
+    bounds = _triton(q, kmin, kmax, None, page_table, num_pages, "quest", per_head=True)
+    return ref.mass_from_bounds(bounds, num_pages, sink_pages, local_pages, q.shape[-1] ** -0.5,
+                                out)
 
 
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,

@@ -1,9 +1,11 @@
-"""Page scores from per-page summaries: the scoring half of ``select`` (top-k follows with
-``torch.topk`` on the result).
+"""Page upper bounds from per-page summaries: the scoring half of the generic ``select`` (top-k
+follows with ``torch.topk``; the fused ``page_select`` kernel is the engine's fast path).
 
 Grid (B, Hkv, cdiv(W, BLOCK_W)): each program loads the G query heads of one KV-head group and a
-``[BLOCK_W, D]`` tile of summary rows (gathered through the page table), and sums the per-head
-upper bounds over the group. Entries past ``num_pages`` get -inf and read nothing.
+``[BLOCK_W, D]`` tile of summary rows (gathered through the page table), and either sums the
+per-head upper bounds over the group (the raw-sum scoring, kept as an evaluation variant) or
+writes each head's bound (``per_head``: the input of Quest/ArkVale's mass scoring,
+``ref.mass_from_bounds``). Entries past ``num_pages`` get -inf and read nothing.
 """
 from __future__ import annotations
 
@@ -24,10 +26,10 @@ SCORE_MODES = ("quest", "arkvale")
 def _score_pages_kernel(
     q_ptr, kmin_ptr, kmax_ptr, krad_ptr, pt_ptr, np_ptr, s_ptr,
     stride_qb, stride_qh, stride_min, stride_max, stride_rad,
-    stride_ptb, stride_pth, stride_npb, stride_sb, stride_sh,
+    stride_ptb, stride_pth, stride_npb, stride_sb, stride_sh, stride_sg,
     W,
     G: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
-    ARKVALE: tl.constexpr,
+    ARKVALE: tl.constexpr, PER_HEAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -51,16 +53,22 @@ def _score_pages_kernel(
         c = (hi + lo) * 0.5
         hi = c + r
         lo = c - r
+    s_row = s_ptr + b64 * stride_sb + h * stride_sh + offs_w
     score = tl.zeros([BLOCK_W], tl.float32)
     for g in tl.static_range(G):
         qg = tl.load(q_ptr + b64 * stride_qb + (h * G + g) * stride_qh + offs_d, mask=d_ok,
                      other=0.0).to(tl.float32)                              # [BLOCK_D]
-        score += tl.sum(tl.maximum(qg[None, :] * hi, qg[None, :] * lo), axis=1)
-    score = tl.where(w_ok, score, float("-inf"))
-    tl.store(s_ptr + b64 * stride_sb + h * stride_sh + offs_w, score, mask=offs_w < W)
+        sg = tl.sum(tl.maximum(qg[None, :] * hi, qg[None, :] * lo), axis=1)  # [BLOCK_W]
+        if PER_HEAD:
+            tl.store(s_row + g * stride_sg, tl.where(w_ok, sg, float("-inf")), mask=offs_w < W)
+        else:
+            score += sg
+    if not PER_HEAD:
+        score = tl.where(w_ok, score, float("-inf"))
+        tl.store(s_row, score, mask=offs_w < W)
 
 
-def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None):
+def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None, per_head=False):
     """Upper-bound scores of candidate pages from their summaries.
 
     Args:
@@ -73,9 +81,12 @@ def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None):
         mode:       "quest"   score = sum_g sum_c max(q_gc * M_c, q_gc * m_c)
                     "arkvale" with c = (M + m) / 2, r = kradius:
                               score = sum_g sum_c max(q_gc * (c + r)_c, q_gc * (c - r)_c)
-        out:        [B, Hkv, W] float32 or None (written in place if given)
+        out:        [B, Hkv, W] float32 or None (written in place if given);
+                    [B, Hkv, G, W] with per_head
+        per_head:   write each query head's bound instead of the sum over the group
     Returns:
-        scores: [B, Hkv, W] float32; entries w >= num_pages[b, h] are -inf.
+        scores: [B, Hkv, W] float32 (per_head: [B, Hkv, G, W]); entries w >= num_pages[b, h]
+        are -inf.
     """
     if mode not in SCORE_MODES:
         raise ValueError(f"unknown score mode {mode!r}; expected one of {SCORE_MODES}")
@@ -89,9 +100,11 @@ def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None):
     assert page_table.stride(2) == 1 and num_pages.stride(1) == 1
     krad = kradius if arkvale else kmin
     assert krad.stride(1) == 1
+    G = Hq // Hkv
+    shape = (B, Hkv, G, W) if per_head else (B, Hkv, W)
     if out is None:
-        out = torch.empty(B, Hkv, W, dtype=torch.float32, device=q.device)
-    assert out.shape == (B, Hkv, W) and out.dtype == torch.float32 and out.stride(2) == 1
+        out = torch.empty(shape, dtype=torch.float32, device=q.device)
+    assert out.shape == shape and out.dtype == torch.float32 and out.stride(-1) == 1
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_W = max(16, min(64, 4096 // BLOCK_D))
     grid = (B, Hkv, triton.cdiv(W, BLOCK_W))
@@ -99,6 +112,7 @@ def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None):
         q, kmin, kmax, krad, page_table, num_pages, out,
         q.stride(0), q.stride(1), kmin.stride(0), kmax.stride(0), krad.stride(0),
         page_table.stride(0), page_table.stride(1), num_pages.stride(0),
-        out.stride(0), out.stride(1), W,
-        G=Hq // Hkv, D=D, BLOCK_W=BLOCK_W, BLOCK_D=BLOCK_D, ARKVALE=arkvale, num_warps=4)
+        out.stride(0), out.stride(1), out.stride(2) if per_head else 0, W,
+        G=G, D=D, BLOCK_W=BLOCK_W, BLOCK_D=BLOCK_D, ARKVALE=arkvale, PER_HEAD=per_head,
+        num_warps=4)
     return out

@@ -1,23 +1,34 @@
-"""Fused page selection for the summary-box algorithms (Quest, ArkVale): score + kept pages +
-top-k + compaction in Triton, replacing ``SparseAlgorithm.select``'s score kernel, ~25 torch ops
-and ``torch.topk`` (the measured bottleneck of sparse decode).
+"""Fused page selection for the summary-box algorithms (Quest, ArkVale): mass scores + kept
+pages + top-k + compaction in Triton, replacing ``SparseAlgorithm.select``'s score kernel, ~30
+torch ops and ``torch.topk`` (the measured bottleneck of sparse decode).
 
-One (request, KV head) row at a time:
+One (request, KV head) row at a time; ``ref.select_pages`` / ``ref.mass_from_bounds`` are the
+spec:
 
-1. Score. ``max(q M, q m) = q+ M + q- m`` whenever ``M >= m`` (true for a min/max box and for
-   ArkVale's ``c -/+ r`` box), so the group's sum is ``P . M + N . m`` with ``P = sum_g q_g+``
-   and ``N = sum_g q_g-`` formed once: two FMAs per summary element whatever the GQA group size
-   (the literal formula costs ~4G ops). Scores become order-preserving int32 keys in a scratch
-   row: kept pages INT_MAX, the last page and entries past ``num_pages`` INT_MIN.
-2. Threshold. Binary search over the 2^32 key values for T = the k-th largest key
+1. Bounds. Per query head g of the GQA group, ``u_g = sum_c max(q_gc M_c, q_gc m_c)
+   = q_g+ . M + q_g- . m`` (equal whenever ``M >= m``: a min/max box and ArkVale's ``c -/+ r``
+   box). The group's bounds of a ``[BLOCK_W, D]`` summary tile are two ``tl.dot``s against the
+   ``[D, GP]`` matrices of the heads' positive and negative parts (GP = G padded to 16 for the
+   dot; fp32 accumulation, IEEE precision). Kept pages (sink, local window) and the partial
+   last page are not scored: their summaries are never read.
+2. Normalisation. ``x_g = u_g * D**-0.5 * log2(e)`` is written to a ``[G, W]`` fp32 scratch row
+   while an online max / sum-of-exp2 per head runs over the scored pages (as flash attention
+   does), giving ``lse_g``. Split mode keeps one partial (max, sum) per split program and the
+   select launch merges them.
+3. Keys. ``mass = sum_g exp2(x_g - lse_g)`` (each head's estimated attention distribution over
+   the scored pages, summed over the group); mass >= 0, so its float bits are an
+   order-preserving int32 key. Kept pages get INT_MAX, the last page and entries past
+   ``num_pages`` INT_MIN.
+4. Threshold. Binary search over the 2^32 key values for T = the k-th largest key
    (``count(key >= T) >= k > count(key > T)``): 32 block-wide counts over the row, held in
-   registers when W <= ``MAX_TILE`` (else re-read from the scratch row, L2-resident).
-3. Compact. Keys > T and the first ``k - count(> T)`` keys == T in block order (deterministic
+   registers when W <= ``MAX_TILE`` (else written to a key scratch row and re-read, L2-resident).
+5. Compact. Keys > T and the first ``k - count(> T)`` keys == T in block order (deterministic
    ties) are written in block order by a prefix sum; the last page follows at ``num_sel - 1``.
 
-Fused mode runs all three in one program per (request, KV head). With few rows (small batch)
+Fused mode runs everything in one program per (request, KV head). With few rows (small batch)
 one program per row cannot pull the summaries fast enough, so split mode scores with
-``num_splits`` programs per row and selects in a second launch of the same kernel.
+``num_splits`` programs per row and normalises + selects in a second launch of the same kernel.
+Fixed shapes, no host synchronisation (CUDA-graph capturable).
 """
 from __future__ import annotations
 
@@ -41,65 +52,114 @@ NUM_SPLITS = int(os.environ.get("SPARSESERVE_SELECT_SPLITS", 0)) or None
 BLOCK_W = int(os.environ.get("SPARSESERVE_SELECT_BLOCK_W", 0)) or None
 NUM_WARPS = int(os.environ.get("SPARSESERVE_SELECT_WARPS", 0)) or None
 SPLIT_PROGRAMS_PER_SM = 2  # split mode until rows alone give this many programs per SM
+INT_MAX = 2147483647
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _row_keys(s_row, stride_sg, offs, n, sink, local, lse, G: tl.constexpr, GP: tl.constexpr):
+    """int32 keys [TILE] of entries ``offs``: mass bits for scored pages, INT_MAX kept, INT_MIN
+    for the last page and entries past n. lse [GP]: per-head log2-sum-exp2 of the row."""
+    offs_g = tl.arange(0, GP)
+    cand = offs < n - 1  # the last page is appended separately
+    kept = cand & ((offs < sink) | (offs >= n - local))
+    scored = cand & (~kept)
+    mass = tl.zeros(offs.shape, tl.float32)
+    for g in tl.static_range(G):
+        lse_g = tl.sum(tl.where(offs_g == g, lse, 0.0), axis=0)
+        x = tl.load(s_row + g * stride_sg + offs, mask=scored, other=float("-inf"),
+                    cache_modifier=".cg")
+        mass += tl.exp2(x - lse_g)  # lse_g is finite: 0 off the scored pages
+    key = mass.to(tl.int32, bitcast=True)  # mass >= 0: its bits order like its value
+    key = tl.where(kept, 2147483647, key)
+    return tl.where(scored | kept, key, -2147483647 - 1)
 
 
 @triton.jit
 def _page_select_kernel(
-    q_ptr, kmin_ptr, kmax_ptr, pt_ptr, np_ptr, key_ptr, pages_ptr, blocks_ptr, nsel_ptr,
+    q_ptr, kmin_ptr, kmax_ptr, pt_ptr, np_ptr, s_ptr, ml_ptr, key_ptr, pages_ptr, blocks_ptr,
+    nsel_ptr,
     stride_qb, stride_qh, stride_min, stride_max, stride_ptb, stride_pth, stride_npb,
+    stride_sb, stride_sh, stride_sg, stride_mlb, stride_mlh,
     stride_kb, stride_kh, stride_pb, stride_ph, stride_bb, stride_bh, stride_nb,
-    W, k_top, k_out, sink, local, chunks_per_split,
-    G: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
-    TILE: tl.constexpr, ONE_TILE: tl.constexpr, BLOCK_K: tl.constexpr,
-    DO_SCORE: tl.constexpr, DO_SELECT: tl.constexpr,
+    W, k_top, k_out, sink, local, chunks_per_split, num_splits, qk_scale,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, TILE: tl.constexpr, ONE_TILE: tl.constexpr,
+    BLOCK_K: tl.constexpr, DO_SCORE: tl.constexpr, DO_SELECT: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     b64 = b.to(tl.int64)
     n = tl.load(np_ptr + b * stride_npb + h)
     pt_row = pt_ptr + b64 * stride_ptb + h * stride_pth
+    s_row = s_ptr + b64 * stride_sb + h * stride_sh
+    ml_row = ml_ptr + b64 * stride_mlb + h * stride_mlh  # [num_splits, 2 * GP]: max, sum
     key_row = key_ptr + b64 * stride_kb + h * stride_kh
+    offs_g = tl.arange(0, GP)
     if DO_SCORE:
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        qp = tl.zeros([BLOCK_D], tl.float32)
-        qn = tl.zeros([BLOCK_D], tl.float32)
-        for g in tl.static_range(G):
-            qg = tl.load(q_ptr + b64 * stride_qb + (h * G + g) * stride_qh + offs_d, mask=d_ok,
-                         other=0.0).to(tl.float32)
-            qp += tl.maximum(qg, 0.0)
-            qn += tl.minimum(qg, 0.0)
+        # [BLOCK_D, GP]: column g = query head h * G + g (zero columns pad the group to GP)
+        qm = d_ok[:, None] & (offs_g[None, :] < G)
+        qt = tl.load(q_ptr + b64 * stride_qb + (h * G + offs_g[None, :]) * stride_qh
+                     + offs_d[:, None], mask=qm, other=0.0)
+        qt = qt.to(kmax_ptr.dtype.element_ty)  # the dot's operands share the summary dtype
+        zero = tl.zeros_like(qt)
+        qp = tl.where(qt > zero, qt, zero)  # exact in any dtype: no rounding of the bound
+        qn = tl.where(qt < zero, qt, zero)
+        m_run = tl.full([GP], -1e30, tl.float32)  # finite: no inf - inf before a page is seen
+        l_run = tl.zeros([GP], tl.float32)
         c0 = tl.program_id(2) * chunks_per_split
         c1 = tl.minimum(c0 + chunks_per_split, tl.cdiv(W, BLOCK_W))
         for c in range(c0, c1):
             offs_w = c * BLOCK_W + tl.arange(0, BLOCK_W)
-            cand = offs_w < n - 1  # the last page is appended separately
+            cand = offs_w < n - 1
             kept = cand & ((offs_w < sink) | (offs_w >= n - local))
             need = cand & (~kept)  # kept pages need no score: skip their summary reads
             page = tl.load(pt_row + offs_w, mask=need, other=0).to(tl.int64)
             m2 = need[:, None] & d_ok[None, :]
             hi = tl.load(kmax_ptr + page[:, None] * stride_max + offs_d[None, :], mask=m2,
-                         other=0.0).to(tl.float32)                          # [BLOCK_W, BLOCK_D]
+                         other=0.0)                                          # [BLOCK_W, BLOCK_D]
             lo = tl.load(kmin_ptr + page[:, None] * stride_min + offs_d[None, :], mask=m2,
-                         other=0.0).to(tl.float32)
-            score = tl.sum(hi * qp[None, :] + lo * qn[None, :], axis=1)      # [BLOCK_W]
-            # float -> int32 with the same order: negatives flip their magnitude bits
-            bits = score.to(tl.int32, bitcast=True)
-            key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-            key = tl.maximum(key, -2147483647)  # INT_MIN is reserved for non-candidates
-            key = tl.where(kept, 2147483647, key)
-            key = tl.where(cand, key, -2147483647 - 1)
-            tl.store(key_row + offs_w, key, mask=offs_w < W)
+                         other=0.0).to(hi.dtype)
+            u = tl.dot(hi, qp, input_precision="ieee")                       # [BLOCK_W, GP] fp32
+            u = tl.dot(lo, qn, acc=u, input_precision="ieee")
+            x = u * qk_scale
+            tl.store(s_row + offs_g[None, :] * stride_sg + offs_w[:, None], x,
+                     mask=need[:, None] & (offs_g[None, :] < G))
+            xm = tl.where(need[:, None], x, float("-inf"))
+            m_new = tl.maximum(m_run, tl.max(xm, axis=0))
+            l_run = l_run * tl.exp2(m_run - m_new) + tl.sum(tl.exp2(xm - m_new[None, :]), axis=0)
+            m_run = m_new
+        if not DO_SELECT:
+            ml = ml_row + tl.program_id(2) * (2 * GP) + offs_g
+            tl.store(ml, m_run)
+            tl.store(ml + GP, l_run)
     if DO_SELECT:
         if DO_SCORE:
-            # other threads of this program wrote the row: order their stores before our
-            # loads (and read through L2 with .cg below, never a stale L1 line)
+            # other threads of this program wrote the scratch row: order their stores before
+            # our loads (and read through L2 with .cg, never a stale L1 line)
             tl.debug_barrier()
+        else:  # merge the split programs' partial (max, sum) per head
+            offs_s = tl.arange(0, BLOCK_S)
+            mls = ml_row + offs_s[:, None] * (2 * GP) + offs_g[None, :]
+            s_ok = (offs_s < num_splits)[:, None]
+            m_s = tl.load(mls, mask=s_ok, other=-1e30)                      # [BLOCK_S, GP]
+            l_s = tl.load(mls + GP, mask=s_ok, other=0.0)
+            m_run = tl.max(m_s, axis=0)
+            l_run = tl.sum(l_s * tl.exp2(m_s - m_run[None, :]), axis=0)
+        # l >= 1 once a page was scored (its max adds exp2(0)); 0 = nothing scored (no key
+        # reads lse then): clamping at 1 changes nothing else and keeps lse finite
+        lse = m_run + tl.log2(tl.maximum(l_run, 1.0))
         k_eff = tl.maximum(tl.minimum(k_top, n - 1), 0)
         offs_t = tl.arange(0, TILE)
         if ONE_TILE:
-            keys = tl.load(key_row + offs_t, mask=offs_t < W, other=-2147483647 - 1,
-                           cache_modifier=".cg")
+            keys = _row_keys(s_row, stride_sg, offs_t, n, sink, local, lse, G, GP)
+        else:
+            for t0 in range(0, W, TILE):
+                kt = _row_keys(s_row, stride_sg, t0 + offs_t, n, sink, local, lse, G, GP)
+                tl.store(key_row + t0 + offs_t, kt, mask=t0 + offs_t < W)
+            tl.debug_barrier()  # the search below reads other threads' keys
         # binary search on [lo, hi): count(>= lo) >= k_eff > count(>= hi); int64 bounds
         lo = tl.full([], -2147483647, tl.int64)
         hi = tl.full([], 2147483648, tl.int64)
@@ -169,7 +229,8 @@ def _default_splits(q, rows: int, chunks: int) -> int:
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
                  local_pages, out_pages=None, out_num=None, out_blocks=None, *, num_splits=None,
                  block_w=None, num_warps=None):
-    """Fused Quest/ArkVale page selection (``SparseAlgorithm.select``'s contract).
+    """Fused Quest/ArkVale page selection by estimated attention mass
+(``SparseAlgorithm.select``'s contract over ``Quest.score``; spec: ``ref.select_pages``).
 
     Args:
         q:             [B, Hq, D]          decode queries, Hq = Hkv * G (last dim contiguous)
@@ -185,8 +246,12 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         pages [B, Hkv, K] int32 physical ids, num_sel [B, Hkv] int32, blocks [B, Hkv, K] int64
         logical indices, K = max(1, min(budget - 1, W)) + 1 (= budget when W >= budget - 1).
         Entries < num_sel: the kept pages (first ``sink``, last ``local`` incl. the last page)
-        and the highest-scoring others (ties: lower block first), in block order, then the last
+        and the others of highest mass (ties: lower block first), in block order, then the last
         page at num_sel - 1 (num_sel = min(K, num_pages)); entries past it repeat the last page.
+
+    Scratch (allocated here, fixed shapes): per-head scaled bounds [B, Hkv, G, W] fp32, split
+    partials [B, Hkv, splits, 2 * GP] fp32, and the key row [B, Hkv, W] int32 when W exceeds
+    ``MAX_TILE`` (else the keys stay in registers).
     """
     B, Hq, D = q.shape
     _, Hkv, W = page_table.shape
@@ -213,7 +278,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     assert out_pages.stride(2) == 1 and out_blocks.stride(2) == 1 and out_num.stride(1) == 1
     if B == 0:
         return out_pages, out_num, out_blocks
-    keys = torch.empty(B, Hkv, W, dtype=torch.int32, device=dev)  # scratch: one key per page
+    G = Hq // Hkv
+    GP = max(16, triton.next_power_of_2(G))  # tl.dot needs >= 16 columns
     num_splits, block_w, num_warps = (num_splits or NUM_SPLITS, block_w or BLOCK_W,
                                       num_warps or NUM_WARPS)
     BLOCK_D = max(16, triton.next_power_of_2(D))
@@ -224,13 +290,19 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     splits = max(1, min(splits, chunks))
     cps = triton.cdiv(chunks, splits)
     splits = triton.cdiv(chunks, cps)
+    xs = torch.empty(B, Hkv, G, W, dtype=torch.float32, device=dev)  # scaled per-head bounds
+    ml = torch.empty(B, Hkv, splits, 2 * GP, dtype=torch.float32, device=dev)  # split partials
+    keys = torch.empty(B, Hkv, W if TILE < W else 1, dtype=torch.int32, device=dev)
     sel_warps = num_warps or (4 if TILE <= 1024 else 8 if TILE <= 4096 else 16)
-    args = (q, kmin, kmax, page_table, num_pages, keys, out_pages, out_blocks, out_num,
+    args = (q, kmin, kmax, page_table, num_pages, xs, ml, keys, out_pages, out_blocks, out_num,
             q.stride(0), q.stride(1), kmin.stride(0), kmax.stride(0), page_table.stride(0),
-            page_table.stride(1), num_pages.stride(0), keys.stride(0), keys.stride(1),
+            page_table.stride(1), num_pages.stride(0), xs.stride(0), xs.stride(1), xs.stride(2),
+            ml.stride(0), ml.stride(1), keys.stride(0), keys.stride(1),
             out_pages.stride(0), out_pages.stride(1), out_blocks.stride(0), out_blocks.stride(1),
-            out_num.stride(0), W, k_top, k_out, sink_pages, local_pages, cps)
-    meta = dict(G=Hq // Hkv, D=D, BLOCK_W=block_w, BLOCK_D=BLOCK_D, TILE=TILE, ONE_TILE=TILE >= W,
+            out_num.stride(0), W, k_top, k_out, sink_pages, local_pages, cps, splits,
+            D ** -0.5 * LOG2E)
+    meta = dict(G=G, GP=GP, D=D, BLOCK_W=block_w, BLOCK_D=BLOCK_D,
+                BLOCK_S=triton.next_power_of_2(splits), TILE=TILE, ONE_TILE=TILE >= W,
                 BLOCK_K=triton.next_power_of_2(k_out))
     if splits == 1:
         _page_select_kernel[(B, Hkv, 1)](*args, **meta, DO_SCORE=True, DO_SELECT=True,

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "select_pages",
-           "SCORE_MODES"]
+__all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "head_bounds",
+           "mass_from_bounds", "page_mass", "select_pages", "SCORE_MODES"]
 
 SCORE_MODES = ("quest", "arkvale")
 
@@ -102,8 +102,9 @@ def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=Non
         kradius[ids] = (dev.sum(dim=1) / n.view(-1, 1).float()).to(kradius.dtype)
 
 
-def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None):
-    """Upper-bound scores of candidate pages from their summaries (the scoring half of select).
+def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None, per_head=False):
+    """Upper-bound scores of candidate pages from their summaries, summed over the GQA group
+    (the raw-sum scoring; Quest/ArkVale now score by ``page_mass``) or per head.
 
     Args:
         q:          [B, Hq, D]          decode queries, Hq = Hkv * G
@@ -114,9 +115,12 @@ def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None):
         mode:       "quest"   score = sum_g sum_c max(q_gc * M_c, q_gc * m_c)
                     "arkvale" with c = (M + m) / 2, r = kradius:
                               score = sum_g sum_c max(q_gc * (c + r)_c, q_gc * (c - r)_c)
-        out:        [B, Hkv, W] float32 or None (written in place if given)
+        out:        [B, Hkv, W] float32 or None (written in place if given);
+                    [B, Hkv, G, W] with per_head
+        per_head:   each query head's bound instead of the sum over the group
     Returns:
-        scores: [B, Hkv, W] float32; entries w >= num_pages[b, h] are -inf.
+        scores: [B, Hkv, W] float32 (per_head: [B, Hkv, G, W]); entries w >= num_pages[b, h]
+        are -inf.
     """
     if mode not in SCORE_MODES:
         raise ValueError(f"unknown score mode {mode!r}; expected one of {SCORE_MODES}")
@@ -134,21 +138,95 @@ def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None):
         r = kradius[ids].float()
         hi, lo = c + r, c - r
     qf = q.float().view(B, Hkv, G, 1, D)                                       # [B, Hkv, G, 1, D]
-    s = torch.zeros(B, Hkv, W, dtype=torch.float32, device=q.device)           # [B, Hkv, W]
-    for g in range(G):  # a shape loop; keeps the intermediate at [B, Hkv, W, D]
-        qg = qf[:, :, g]                                                       # [B, Hkv, 1, D]
-        s += torch.maximum(qg * hi, qg * lo).sum(dim=-1)
-    s = s.masked_fill(~ok, float("-inf"))
+    # a shape loop over the group keeps the intermediate at [B, Hkv, W, D]
+    per = [torch.maximum(qf[:, :, g] * hi, qf[:, :, g] * lo).sum(dim=-1) for g in range(G)]
+    if per_head:
+        s = torch.stack(per, dim=2).masked_fill(~ok.unsqueeze(2), float("-inf"))
+    else:
+        s = torch.stack(per, dim=0).sum(0).masked_fill(~ok, float("-inf"))
     if out is None:
         return s
     out.copy_(s)
     return out
 
 
+def head_bounds(q, kmin, kmax, page_table, num_pages):
+    """Per-query-head upper bounds of q·k over each candidate page's summary box.
+
+    Args:
+        q:          [B, Hq, D]          decode queries, Hq = Hkv * G
+        kmin, kmax: [S, D]              summary box rows (kmin <= kmax elementwise)
+        page_table: [B, Hkv, W] int32   candidate pages (summary rows)
+        num_pages:  [B, Hkv] int32      valid entries of page_table[b, h]
+    Returns:
+        bounds: [B, Hkv, G, W] float32, bounds[b, h, g, w] = sum_c max(q_c M_c, q_c m_c) for
+        query head h * G + g, computed as q+ · M + q- · m (equal because M >= m: the max picks
+        q_c M_c exactly when q_c >= 0); entries w >= num_pages[b, h] are -inf.
+    """
+    B, Hq, D = q.shape
+    _, Hkv, W = page_table.shape
+    ok = torch.arange(W, device=q.device).view(1, 1, W) < num_pages.to(torch.long).unsqueeze(-1)
+    ids = torch.where(ok, page_table.to(torch.long), 0)                        # [B, Hkv, W]
+    qf = q.float().view(B, Hkv, Hq // Hkv, D)                                  # [B, Hkv, G, D]
+    u = (torch.einsum("bhgd,bhwd->bhgw", qf.clamp(min=0), kmax[ids].float())
+         + torch.einsum("bhgd,bhwd->bhgw", qf.clamp(max=0), kmin[ids].float()))
+    return u.masked_fill(~ok.unsqueeze(2), float("-inf"))
+
+
+def mass_from_bounds(bounds, num_pages, sink_pages, local_pages, scale, out=None):
+    """Estimated attention mass of each page, from per-query-head logit bounds.
+
+    Per query head g, a softmax at the attention scale over the row's *scored* pages (neither
+    kept — first ``sink_pages``, last ``local_pages`` — nor the partial last page), summed over
+    the group's G heads: ``mass[w] = sum_g exp(scale * bounds[g, w] - lse_g)``, ``lse_g`` the
+    log-sum-exp of ``scale * bounds[g, :]`` over the scored pages. Each head thus contributes a
+    distribution of total 1 over the candidates, so a head whose bounds single out one page is
+    not drowned by heads with large but flat bounds (what a raw sum over heads does).
+    The kept pages are selected anyway and the partial last page's summary is not built yet,
+    so they stay out of the normalisation; they score +inf (selected whatever the score).
+
+    Args:
+        bounds:    [B, Hkv, G, W] float32  per-head bounds (``head_bounds``), -inf past num_pages
+        num_pages: [B, Hkv] int32          valid entries
+        sink_pages, local_pages: ints      the always-kept pages
+        scale:     float                   softmax scale (head_dim ** -0.5, the attention's)
+        out:       [B, Hkv, W] float32 or None (written in place if given)
+    Returns:
+        mass: [B, Hkv, W] float32 in [0, G] for scored pages, +inf for kept pages and the last
+        page, -inf for entries w >= num_pages[b, h].
+    """
+    W = bounds.shape[-1]
+    n = num_pages.to(torch.long).unsqueeze(-1)                                 # [B, Hkv, 1]
+    blk = torch.arange(W, device=bounds.device).view(1, 1, W)
+    valid = blk < n
+    scored = (blk >= sink_pages) & (blk < n - local_pages) & (blk < n - 1)     # [B, Hkv, W]
+    x = bounds.float() * scale                                                 # [B, Hkv, G, W]
+    xs = x.masked_fill(~scored.unsqueeze(2), float("-inf"))
+    m = xs.amax(dim=-1, keepdim=True)                                          # [B, Hkv, G, 1]
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # no scored page: any finite m
+    lse = m + torch.log(torch.exp(xs - m).sum(dim=-1, keepdim=True))
+    mass = torch.exp(xs - lse).sum(dim=2)                                      # [B, Hkv, W]
+    mass = torch.where(scored, mass, float("inf"))
+    mass = mass.masked_fill(~valid, float("-inf"))
+    if out is None:
+        return mass
+    out.copy_(mass)
+    return out
+
+
+def page_mass(q, kmin, kmax, page_table, num_pages, sink_pages, local_pages, out=None):
+    """Quest/ArkVale's page scores: ``mass_from_bounds(head_bounds(...))`` at the attention
+    scale ``D ** -0.5``. q [B, Hq, D], kmin/kmax [S, D], page_table [B, Hkv, W] int32,
+    num_pages [B, Hkv] int32 -> [B, Hkv, W] float32 (see mass_from_bounds)."""
+    u = head_bounds(q, kmin, kmax, page_table, num_pages)
+    return mass_from_bounds(u, num_pages, sink_pages, local_pages, q.shape[-1] ** -0.5, out)
+
+
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
                  local_pages, out_pages=None, out_num=None, out_blocks=None):
-    """Quest/ArkVale page selection: ``score_pages(mode="quest")`` + kept pages + top-k, exactly
-    ``SparseAlgorithm.select``'s torch path (the spec of ``page_select.select_pages``).
+    """Quest/ArkVale page selection: ``page_mass`` + kept pages + top-k, exactly
+    ``SparseAlgorithm.select``'s torch path over ``Quest.score`` (the spec of
+    ``page_select.select_pages``).
 
     Args:
         q:             [B, Hq, D]          decode queries, Hq = Hkv * G
@@ -161,12 +239,12 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     Returns:
         pages [B, Hkv, K] int32 physical ids, num_sel [B, Hkv] int32, blocks [B, Hkv, K] int64
         logical indices, K = max(1, min(budget - 1, W)) + 1. Entries < num_sel: the kept pages
-        (first ``sink``, last ``local`` incl. the last page) and the top-scoring others in
-        descending score, then the last page at num_sel - 1 (num_sel = min(K, num_pages));
+        (first ``sink``, last ``local`` incl. the last page) and the others of highest mass in
+        descending mass, then the last page at num_sel - 1 (num_sel = min(K, num_pages));
         entries past it repeat the last page.
     """
     B, _, W = page_table.shape
-    scores = score_pages(q, kmin, kmax, None, page_table, num_pages, "quest")   # [B, Hkv, W]
+    scores = page_mass(q, kmin, kmax, page_table, num_pages, sink_pages, local_pages)
     n = num_pages.long().unsqueeze(-1)                                         # [B, Hkv, 1]
     blk = torch.arange(W, device=q.device).view(1, 1, W)
     kept = ((blk < sink_pages) | (blk >= n - local_pages)) & (blk < n)

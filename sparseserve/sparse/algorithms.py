@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from sparseserve.kernels import score_pages, select_pages, update_page_summaries
+from sparseserve.kernels import page_mass, select_pages, update_page_summaries
 from sparseserve.sparse.base import Selection, SparseAlgorithm, register
 
 
@@ -22,7 +22,13 @@ class Dense(SparseAlgorithm):
 
 @register("quest")
 class Quest(SparseAlgorithm):
-    """Per-channel key min/max; score = sum_c max(q_c M_c, q_c m_c) (an upper bound of q·k)."""
+    """Per-channel key min/max; per query head g the bound u_g = sum_c max(q_gc M_c, q_gc m_c)
+    of q_g·k over the page. A page's score is its estimated attention mass summed over the GQA
+    group: sum_g softmax_w(u_g * D**-0.5) over the row's scored pages (``ref.mass_from_bounds``;
+    kept pages and the partial last page stay out of the normalisation). Each head thus spends
+    a total of 1 on the candidates, so one head that singles out a page is not drowned by the
+    group's other heads' large, flat bounds, as it is when raw bounds are summed (measured in
+    docs/results/fidelity.md; the raw sum is kept as the ``quest-sum`` evaluation variant)."""
 
     summary_names = ("kmin", "kmax")
     # one fused kernel for score + kept pages + top-k (kernels.select_pages); False, or
@@ -33,14 +39,15 @@ class Quest(SparseAlgorithm):
         update_page_summaries(k_cache, page_ids, num_tokens, summaries["kmin"], summaries["kmax"])
 
     def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
-        return score_pages(q, summaries["kmin"], summaries["kmax"], None, page_table, num_pages,
-                           "quest")
+        """[B, Hkv, W] float32: mass of scored pages, +inf kept / last page, -inf past n."""
+        return page_mass(q, summaries["kmin"], summaries["kmax"], page_table, num_pages,
+                         self.sink_pages, self.local_pages)
 
     def select(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
         """The base select's Selection (same set of pages, entries in block order on the GPU)
         from one fused kernel: select dominated sparse decode as ~27 separate ops."""
-        # the fused kernel computes Quest's score itself: a subclass that scores differently
-        # goes through the generic path
+        # the fused kernel computes Quest's mass score itself: a subclass that scores
+        # differently goes through the generic path
         if not self.fused_select or type(self).score is not Quest.score:
             return super().select(q, page_table, num_pages, last_page_len, summaries, k_cache)
         pages, num_sel, blocks = select_pages(
@@ -51,12 +58,12 @@ class Quest(SparseAlgorithm):
 
 @register("arkvale")
 class ArkVale(Quest):
-    """Cuboid-mean: centre c = (M+m)/2, radius r = mean_t |c - k_t|;
-    score = sum_c max(q_c (c+r)_c, q_c (c-r)_c).
+    """Cuboid-mean: centre c = (M+m)/2, radius r = mean_t |c - k_t|; per query head the bound
+    sum_c max(q_c (c+r)_c, q_c (c-r)_c), scored by estimated attention mass like Quest.
 
-    That score is Quest's on the box [c - r, c + r], so the box is what we store (two vectors
-    per page, like Quest: summaries stay at 2/page_size of the KV bytes) and scoring reuses the
-    Quest kernel."""
+    That bound is Quest's on the box [c - r, c + r], so the box is what we store (two vectors
+    per page, like Quest: summaries stay at 2/page_size of the KV bytes) and scoring and the
+    fused select reuse Quest's kernels."""
 
     def index(self, k_cache, page_ids, num_tokens, summaries, queries):
         kmin, kmax = summaries["kmin"], summaries["kmax"]

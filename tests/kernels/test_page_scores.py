@@ -1,12 +1,12 @@
-"""Page scores (Quest, ArkVale): Triton kernel (interpreter on CPU) vs ``kernels.ref`` vs the
-literal per-(head, page) formula. Page-table entries past num_pages hold garbage (negative or
+"""Page bounds (Quest, ArkVale; summed over the group or per head) and Quest's mass scores:
+Triton kernel (interpreter on CPU) vs ``kernels.ref`` vs the literal per-(head, page) formula. Page-table entries past num_pages hold garbage (negative or
 out-of-range ids) and must score -inf without being read."""
 import math
 
 import pytest
 import torch
 
-from sparseserve.kernels import ref
+from sparseserve.kernels import page_mass, ref
 from sparseserve.kernels import score_pages as _dispatch_scores
 from sparseserve.kernels.page_scores import score_pages as _triton_scores
 
@@ -95,6 +95,43 @@ def test_scores_topk_and_dispatch():
         score_pages(q, kmin, kmax, None, table, npg, "arkvale")
     with pytest.raises(ValueError):
         score_pages(q, kmin, kmax, None, table, npg, "nope")
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(6, 2), (8, 2), (4, 4)])  # GQA groups 3, 4 and MHA
+def test_per_head_bounds_and_page_mass(Hq, Hkv):
+    """per_head: each head's bound (the literal formula with G = 1 per head); page_mass (Quest's
+    score): softmax per head over the scored pages (not sink / local / last), summed over the
+    group -> sums to G per row, +inf on kept / last pages, -inf past num_pages; Triton
+    (per-head kernel + mass) equals the torch reference."""
+    gen = torch.Generator().manual_seed(Hq * 10 + Hkv)
+    D, ps, sink, local = 32, 16, 1, 2
+    q, kmin, kmax, krad, table, npg = _case([1, 17, 54, 97, 300], Hq, Hkv, D, ps, gen)
+    G = Hq // Hkv
+    heads = torch.stack([_literal(q.view(-1, Hkv, G, D)[:, :, g].contiguous(), kmin, kmax,
+                                  krad, table, npg, "quest") for g in range(G)], dim=2)
+    for fn in (score_pages, ref.score_pages):
+        got = fn(q, kmin, kmax, None, table, npg, "quest", per_head=True)
+        assert got.shape == (*table.shape[:2], G, table.shape[2])
+        torch.testing.assert_close(got.double(), heads, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ref.head_bounds(q, kmin, kmax, table, npg).double(), heads,
+                               rtol=1e-5, atol=1e-4)
+    mass = ref.page_mass(q, kmin, kmax, table, npg, sink, local)
+    W = table.shape[2]
+    blk = torch.arange(W).view(1, 1, W)
+    n = npg.long().unsqueeze(-1)
+    scored = (blk >= sink) & (blk < n - local) & (blk < n - 1)
+    x = (heads * D ** -0.5).masked_fill(~scored.unsqueeze(2), float("-inf"))
+    want = torch.softmax(x, dim=-1).nan_to_num(0.0).sum(2)
+    torch.testing.assert_close(mass.masked_fill(~scored, 0).double(),
+                               want.masked_fill(~scored, 0), rtol=1e-4, atol=1e-6)
+    has = scored.any(-1)
+    torch.testing.assert_close(mass.masked_fill(~scored, 0).sum(-1)[has],
+                               torch.full_like(mass[..., 0][has], float(G)))
+    assert torch.isinf(mass[(blk < n) & ~scored]).all() and (mass[(blk < n) & ~scored] > 0).all()
+    assert (mass[blk >= n] == float("-inf")).all()
+    for backend in ("torch", "triton"):
+        got = _on_dev(page_mass)(q, kmin, kmax, table, npg, sink, local, backend=backend)
+        torch.testing.assert_close(got, mass, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
