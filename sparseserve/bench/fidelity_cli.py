@@ -17,9 +17,12 @@ def add_eval_args(subparsers) -> argparse.ArgumentParser:
                    help="model (default: the embedded SmolLM2-135M-Instruct)")
     f.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     f.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    f.add_argument("--budgets-shorter", type=int, nargs="+", default=None,
+                   help="budgets at the lengths below the longest (default: --budgets)")
     f.add_argument("--algorithms", nargs="+", default=ALGORITHMS,
                    help="sparse algorithms (dense is always the baseline); scoring variants: "
-                        "quest-sum, arkvale-sum (raw bound sums over the GQA group)")
+                        "quest-sum, arkvale-sum (raw bound sums over the GQA group), "
+                        "quest-massall, arkvale-massall (mass normalised over kept pages too)")
     f.add_argument("--num-texts", type=int, default=3, help="texts per length")
     f.add_argument("--tail", type=int, default=256, help="teacher-forced positions per text")
     f.add_argument("--chunk-rows", type=int, default=256,
@@ -31,10 +34,15 @@ def add_eval_args(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--sweep-algorithms", nargs="+", default=None,
                    help="algorithms of the settings sweep (default: quest arkvale infllm)")
     f.add_argument("--sweep-settings", nargs="+", default=None,
-                   help="sink/local/dense-layer settings swept, e.g. s2l2d0 s1l4d0 s1l2d2 "
-                        "(default: s2l2d0 s1l1d0 s1l4d0 s1l2d1 s1l2d2)")
+                   help="sink/local/dense-layer settings swept, e.g. s2l4d0 s1l2d0 s1l4d2 "
+                        "(default: s2l4d0 s1l2d0 s1l8d0 s1l4d1 s1l4d2)")
     f.add_argument("--needle-depths", type=float, nargs="+", default=None,
                    help="depths of the single-needle prompts (default 0.1 0.5 0.9)")
+    f.add_argument("--needle-settings", nargs="+", default=None,
+                   help="only these needle settings: keys (e.g. quest/b2048/s1/l4/d0) or "
+                        "'dense', 'default', 'oracle' (the chosen default / oracle at its knobs, "
+                        "at the largest budget); default: dense, every algorithm at 512 and "
+                        "2048 and the default at every budget")
     f.add_argument("--no-needle", action="store_true", help="skip needle-in-a-haystack")
     f.add_argument("--verify-needle", action=argparse.BooleanOptionalAction, default=True,
                    help="cross-check needle answers with LLM.generate (dense and default)")

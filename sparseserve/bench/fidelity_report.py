@@ -19,8 +19,10 @@ def _knobs(r: dict) -> str:
 
 
 def grid_table(out: dict, length: int) -> str:
+    base = out["meta"].get("base") or dict(sink_pages=1, local_pages=2, dense_layers=0)
     lines = [f"#### {length} tokens (teacher-forced, last {out['meta']['tail']} positions of "
-             f"{out['meta']['num_texts']} texts; sink 1, local 2, dense layers 0 unless noted)",
+             f"{out['meta']['num_texts']} texts; sink {base['sink_pages']}, local "
+             f"{base['local_pages']}, dense layers {base['dense_layers']} unless noted)",
              "",
              "| algorithm | budget | settings | top-1 % | confident top-1 % | KL(dense‖sparse) "
              "| recall % | mass % |",
@@ -123,7 +125,8 @@ def plot(out: dict, path: str, length: int | None = None) -> str:
                     key=lambda r: r["token_budget"])
         if rs:
             ax.plot([r["token_budget"] for r in rs], [100 * r["top1"] for r in rs], marker="o",
-                    label=f"{a} (s1 l2 d0)", linestyle="--" if a == "oracle" else "-")
+                    label=f"{a} ({_knobs(rs[0])})",
+                    linestyle="--" if a == "oracle" or a.endswith("-sum") else "-")
     d = out.get("default")
     if d:
         rs = sorted([r for r in _rows(out, length=length, phase="default",

@@ -22,7 +22,6 @@ import contextlib
 
 import torch
 
-from sparseserve.kernels.ref import mass_from_bounds
 from sparseserve.sparse.algorithms import Oracle
 from sparseserve.sparse.base import SparseAlgorithm
 
@@ -218,11 +217,11 @@ def bound_scores(sh: SharedText, q: torch.Tensor, lo: torch.Tensor, hi: torch.Te
             + torch.einsum("bhgd,hwd->bhgw", qg.clamp(max=0), lo_t))
 
 
-def shared_bounds_class(cls, mass: bool = True):
-    """A subclass of a min/max-summary algorithm whose score reads the text's summaries once
-    for all rows (fast mode): quest / arkvale's mass scoring (``ref.mass_from_bounds``, the
-    same function the engine's reference uses), or with mass=False the raw sum over the group
-    (the ``*-sum`` variants); its index() is the original's."""
+def shared_bounds_class(cls):
+    """A subclass of a min/max-summary algorithm (quest, arkvale or a scoring variant) whose
+    score reads the text's summaries once for all rows (fast mode) and turns the per-head
+    bounds into scores with the algorithm's own ``from_bounds``; its index() is the
+    original's."""
 
     class SharedBounds(cls):
         shared: SharedText | None = None
@@ -235,11 +234,9 @@ def shared_bounds_class(cls, mass: bool = True):
                                      k_cache)
             w = page_table.shape[2]
             u = bound_scores(sh, q, summaries["kmin"], summaries["kmax"], w)
-            if mass:
-                return mass_from_bounds(u, num_pages, self.sink_pages, self.local_pages,
-                                        q.shape[-1] ** -0.5)
-            return u.sum(2).masked_fill(torch.arange(w).view(1, 1, w)
-                                        >= num_pages.unsqueeze(-1), float("-inf"))
+            past = torch.arange(w).view(1, 1, 1, w) >= num_pages.unsqueeze(-1).unsqueeze(-1)
+            u = u.masked_fill(past, float("-inf"))  # head_bounds' contract
+            return self.from_bounds(u, num_pages, q.shape[-1] ** -0.5)
 
     SharedBounds.__name__ = f"Shared{cls.__name__}"
     return SharedBounds

@@ -1,28 +1,43 @@
 """Scoring variants evaluated next to the registered algorithms (baselines, not engine code).
+Same summaries, same kept pages, the generic select; only ``from_bounds`` (per-query-head
+bounds -> page scores) differs from Quest / ArkVale's:
 
-``*-sum``: the registered algorithm's per-query-head score bounds summed raw over the GQA
-group (``sum_g sum_c max(q_gc M_c, q_gc m_c)``) — how Quest and ArkVale scored pages before
-the estimated-attention-mass scoring (``ref.mass_from_bounds``) replaced it. Same summaries,
-same kept pages, the generic select over this score; kept so the fidelity report can show
-both scorings on the same texts.
+* ``*-sum``: the bounds summed raw over the GQA group (``sum_g sum_c max(q_gc M_c, q_gc m_c)``)
+  — how Quest and ArkVale scored pages before the estimated-attention-mass scoring
+  (``ref.mass_from_bounds``) replaced it;
+* ``*-massall``: mass scoring whose per-head softmax also normalises over the always-kept
+  pages (sink, local window; not the unbuilt partial last page), the alternative to the
+  engine's normalisation over the scored pages only.
 """
 from __future__ import annotations
 
-from sparseserve.kernels import score_pages
+from sparseserve.kernels.ref import mass_from_bounds
 from sparseserve.sparse.algorithms import ArkVale, Quest
 
-VARIANTS = {"quest-sum": "quest", "arkvale-sum": "arkvale"}  # variant -> base algorithm
+# variant -> base algorithm (whose summaries and index() it uses)
+VARIANTS = {"quest-sum": "quest", "arkvale-sum": "arkvale", "quest-massall": "quest",
+            "arkvale-massall": "arkvale"}
 
 
 class QuestSum(Quest):
-    def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
-        """[B, Hkv, W] float32: the group's summed bounds, -inf past num_pages."""
-        return score_pages(q, summaries["kmin"], summaries["kmax"], None, page_table, num_pages,
-                           "quest")
+    def from_bounds(self, bounds, num_pages, scale):
+        """[B, Hkv, W]: the group's summed bounds (-inf past num_pages, as the bounds)."""
+        return bounds.sum(2)
 
 
-class ArkValeSum(ArkVale, QuestSum):  # ArkVale's index (the c -/+ r box), QuestSum's score
-    score = QuestSum.score
+class QuestMassAll(Quest):
+    def from_bounds(self, bounds, num_pages, scale):
+        """[B, Hkv, W]: mass normalised over every full page (kept ones included)."""
+        return mass_from_bounds(bounds, num_pages, 0, 1, scale)
 
 
-CLASSES = {"quest-sum": QuestSum, "arkvale-sum": ArkValeSum}
+class ArkValeSum(ArkVale, QuestSum):  # ArkVale's index (the c -/+ r box), QuestSum's scores
+    from_bounds = QuestSum.from_bounds
+
+
+class ArkValeMassAll(ArkVale, QuestMassAll):
+    from_bounds = QuestMassAll.from_bounds
+
+
+CLASSES = {"quest-sum": QuestSum, "arkvale-sum": ArkValeSum, "quest-massall": QuestMassAll,
+           "arkvale-massall": ArkValeMassAll}

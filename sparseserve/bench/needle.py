@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sparseserve.bench.fidelity_tail import GREEDY, Setting, TailHarness
+from sparseserve.bench.fidelity_tail import BASE, GREEDY, Setting, TailHarness
 from sparseserve.bench.texts import source_text
 from sparseserve.engine.sched_output import NewRow, ScheduledChunk, SchedulerOutput
 from sparseserve.kvcache.manager import cdiv
@@ -181,21 +181,30 @@ def verify_with_llm(llm_kwargs: dict, hs: Haystack, setting: Setting, max_tokens
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def needle_settings(default: dict | None, algos, budgets) -> list[Setting]:
+def needle_settings(default: dict | None, algos, budgets, only=None) -> list[Setting]:
     """dense; every algorithm at the base settings at 512 and 2048 tokens (or the largest
-    budget); the default at every budget."""
+    budget); the default at every budget. ``only``: keep just these keys, where 'default' and
+    'oracle' name the default and oracle (at the default's knobs) at the largest budget."""
     out = [Setting("dense")]
     some = [b for b in budgets if b in (512, 2048)] or [max(budgets)]
     for a in algos:
         for b in some:
-            out.append(Setting(a, b, 1, 2, 0))
+            out.append(Setting(a, b, **BASE))
+    knobs = (BASE["sink_pages"], BASE["local_pages"], BASE["dense_layers"])
     if default:
         knobs = (default["sink_pages"], default["local_pages"], default["dense_layers"])
         for b in budgets:
             s = Setting(default["algorithm"], b, *knobs)
             if s not in out:
                 out.append(s)
-    return out
+    if not only:
+        return out
+    alias = {"dense": "dense", "oracle": Setting("oracle", max(budgets), *knobs).key}
+    if default:
+        alias["default"] = Setting(default["algorithm"], max(budgets), *knobs).key
+    keys = [alias.get(k, k) for k in only]
+    extra = [Setting("oracle", max(budgets), *knobs)] if "oracle" in only else []
+    return [s for s in out + [e for e in extra if e not in out] if s.key in keys]
 
 
 def run_needles(args, harness: TailHarness, tok, default: dict | None, algos, log,
@@ -205,10 +214,8 @@ def run_needles(args, harness: TailHarness, tok, default: dict | None, algos, lo
     import time
 
     quick = args.quick
-    settings = needle_settings(default, algos, [max(args.budgets)] if quick else args.budgets)
-    only = getattr(args, "needle_settings", None)
-    if only:  # a subset, by key (e.g. "dense", "quest/b2048/s1/l2/d0")
-        settings = [s for s in settings if s.key in only]
+    settings = needle_settings(default, algos, [max(args.budgets)] if quick else args.budgets,
+                               only=getattr(args, "needle_settings", None))
     runner = NeedleRunner(harness, max_tokens=8)
     summarised = ("quest", "arkvale", "infllm")
     rows: dict[str, dict] = {}

@@ -10,6 +10,10 @@ dispatch:
   triton is first imported; tests/conftest.py does that).
 * ``"torch"``: always the reference.
 
+Quest/ArkVale's page scores are estimated attention masses: ``head_bounds`` (per query head)
+then ``ref.mass_from_bounds`` (torch, fixed shapes) on the generic path; ``select_pages`` does
+both inside one fused kernel.
+
 Triton modules are imported lazily, so importing this package never imports triton.
 All kernels run with fixed shapes and no host synchronisation (CUDA-graph capturable).
 """
@@ -19,7 +23,7 @@ import os
 
 from . import ref
 
-__all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "page_mass",
+__all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "head_bounds",
            "select_pages", "resolve_backend",
            "patch_triton_interpreter", "BACKENDS", "SCORE_MODES", "ref"]
 
@@ -106,22 +110,17 @@ def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None, *
     return _triton(q, kmin, kmax, kradius, page_table, num_pages, mode, out, per_head)
 
 
-def page_mass(q, kmin, kmax, page_table, num_pages, sink_pages, local_pages, out=None, *,
-              backend=None):
-    """Quest/ArkVale's page scores: estimated attention mass from per-head bounds; see
-    ``ref.mass_from_bounds`` (the generic select's score; the fused ``select_pages`` computes
-    the same inside its kernel).
+def head_bounds(q, kmin, kmax, page_table, num_pages, *, backend=None):
+    """Per-query-head page bounds (the input of Quest/ArkVale's mass scoring,
+    ``ref.mass_from_bounds``); see ``ref.head_bounds``. Triton: ``page_scores`` per head.
 
     q [B, Hq, D], kmin/kmax [S, D], page_table [B, Hkv, W] int32, num_pages [B, Hkv] int32
-    -> [B, Hkv, W] float32: mass for scored pages, +inf for the kept and last pages, -inf past
-    num_pages.
+    -> [B, Hkv, G, W] float32 (-inf past num_pages).
     """
     if resolve_backend(backend, q) == "torch":
-        return ref.page_mass(q, kmin, kmax, page_table, num_pages, sink_pages, local_pages, out)
+        return ref.head_bounds(q, kmin, kmax, page_table, num_pages)
     from .page_scores import score_pages as _triton
-    bounds = _triton(q, kmin, kmax, None, page_table, num_pages, "quest", per_head=True)
-    return ref.mass_from_bounds(bounds, num_pages, sink_pages, local_pages, q.shape[-1] ** -0.5,
-                                out)
+    return _triton(q, kmin, kmax, None, page_table, num_pages, "quest", per_head=True)
 
 
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,

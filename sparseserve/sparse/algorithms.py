@@ -6,7 +6,8 @@ import os
 
 import torch
 
-from sparseserve.kernels import page_mass, select_pages, update_page_summaries
+from sparseserve.kernels import head_bounds, select_pages, update_page_summaries
+from sparseserve.kernels.ref import mass_from_bounds
 from sparseserve.sparse.base import Selection, SparseAlgorithm, register
 
 
@@ -40,15 +41,22 @@ class Quest(SparseAlgorithm):
 
     def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
         """[B, Hkv, W] float32: mass of scored pages, +inf kept / last page, -inf past n."""
-        return page_mass(q, summaries["kmin"], summaries["kmax"], page_table, num_pages,
-                         self.sink_pages, self.local_pages)
+        u = head_bounds(q, summaries["kmin"], summaries["kmax"], page_table, num_pages)
+        return self.from_bounds(u, num_pages, q.shape[-1] ** -0.5)
+
+    def from_bounds(self, bounds, num_pages, scale):
+        """Page scores [B, Hkv, W] from per-query-head bounds [B, Hkv, G, W] (-inf past
+        num_pages): the estimated attention mass. Evaluation variants override this alone."""
+        return mass_from_bounds(bounds, num_pages, self.sink_pages, self.local_pages, scale)
 
     def select(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
         """The base select's Selection (same set of pages, entries in block order on the GPU)
         from one fused kernel: select dominated sparse decode as ~27 separate ops."""
         # the fused kernel computes Quest's mass score itself: a subclass that scores
         # differently goes through the generic path
-        if not self.fused_select or type(self).score is not Quest.score:
+        cls = type(self)
+        if not self.fused_select or cls.score is not Quest.score \
+                or cls.from_bounds is not Quest.from_bounds:
             return super().select(q, page_table, num_pages, last_page_len, summaries, k_cache)
         pages, num_sel, blocks = select_pages(
             q, summaries["kmin"], summaries["kmax"], page_table, num_pages, last_page_len,

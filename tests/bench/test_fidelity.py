@@ -45,7 +45,8 @@ def test_tail_does_not_depend_on_earlier_configs(harness):
 
 @pytest.mark.parametrize("setting", [Setting("dense"), Setting("quest", 128),
                                      Setting("arkvale", 256, 2, 2), Setting("oracle", 128),
-                                     Setting("infllm", 128, 1, 2, 2)], ids=lambda s: s.key)
+                                     Setting("infllm", 128, 1, 2, 2),
+                                     Setting("arkvale-sum", 128, 1, 1)], ids=lambda s: s.key)
 def test_fast_path_equals_engine_kernels(harness, setting):
     h, prep = harness
     fast = h.run_tail(prep, setting, fast=True)
@@ -98,3 +99,18 @@ def test_cli_quick_writes_all_fields(tmp_path):
     assert nd["llm_generate_checks"] and all(c["equal"] for c in nd["llm_generate_checks"])
     assert (tmp_path / "fidelity_tables.md").read_text().count("|") > 20
     assert (tmp_path / "fidelity_top1_vs_budget.png").stat().st_size > 1000
+
+
+def test_needle_settings_aliases_and_base_knobs():
+    from sparseserve.bench.fidelity_tail import BASE
+    from sparseserve.bench.needle import needle_settings
+    from sparseserve.config import SparseConfig
+
+    d = SparseConfig()
+    assert BASE == dict(sink_pages=d.sink_pages, local_pages=d.local_pages,
+                        dense_layers=d.dense_layers)
+    default = dict(algorithm="arkvale", sink_pages=2, local_pages=4, dense_layers=1)
+    full = needle_settings(default, ["quest", "oracle"], [512, 2048])
+    assert Setting("quest", 512, **BASE) in full and Setting("arkvale", 512, 2, 4, 1) in full
+    some = needle_settings(default, ["quest"], [512, 2048], only=["dense", "default", "oracle"])
+    assert [s.key for s in some] == ["dense", "arkvale/b2048/s2/l4/d1", "oracle/b2048/s2/l4/d1"]

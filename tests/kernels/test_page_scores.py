@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from sparseserve.kernels import page_mass, ref
+from sparseserve.kernels import head_bounds, ref
 from sparseserve.kernels import score_pages as _dispatch_scores
 from sparseserve.kernels.page_scores import score_pages as _triton_scores
 
@@ -101,8 +101,8 @@ def test_scores_topk_and_dispatch():
 def test_per_head_bounds_and_page_mass(Hq, Hkv):
     """per_head: each head's bound (the literal formula with G = 1 per head); page_mass (Quest's
     score): softmax per head over the scored pages (not sink / local / last), summed over the
-    group -> sums to G per row, +inf on kept / last pages, -inf past num_pages; Triton
-    (per-head kernel + mass) equals the torch reference."""
+    group -> sums to G per row, +inf on kept / last pages, -inf past num_pages; the dispatched
+    bounds (Triton per-head kernel / torch) give the same masses."""
     gen = torch.Generator().manual_seed(Hq * 10 + Hkv)
     D, ps, sink, local = 32, 16, 1, 2
     q, kmin, kmax, krad, table, npg = _case([1, 17, 54, 97, 300], Hq, Hkv, D, ps, gen)
@@ -129,8 +129,9 @@ def test_per_head_bounds_and_page_mass(Hq, Hkv):
                                torch.full_like(mass[..., 0][has], float(G)))
     assert torch.isinf(mass[(blk < n) & ~scored]).all() and (mass[(blk < n) & ~scored] > 0).all()
     assert (mass[blk >= n] == float("-inf")).all()
-    for backend in ("torch", "triton"):
-        got = _on_dev(page_mass)(q, kmin, kmax, table, npg, sink, local, backend=backend)
+    for backend in ("torch", "triton"):  # the generic path: dispatched bounds, then the mass
+        u = _on_dev(head_bounds)(q, kmin, kmax, table, npg, backend=backend)
+        got = ref.mass_from_bounds(u, npg, sink, local, D ** -0.5)
         torch.testing.assert_close(got, mass, rtol=1e-4, atol=1e-6)
 
 
