@@ -52,6 +52,7 @@ sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 
 import common as C  # noqa: E402
 import numpy as np  # noqa: E402
+from sparseserve.config import HOST_CHUNK_PAGES  # noqa: E402
 
 GiB = 1 << 30
 PARTS = ("prefill", "decode")
@@ -92,6 +93,12 @@ class Shape:
     def ids(self, batch: int, tokens: int) -> int:
         """Page ids B requests of `tokens` tokens use (one per KV head and block)."""
         return batch * self.kv_heads * self.pages(tokens)
+
+    def host_ids(self, batch: int, tokens: int) -> int:
+        """Host page ids they take: each (request, KV head) in whole chunks of
+        HOST_CHUNK_PAGES pages (the two-level page table)."""
+        C = HOST_CHUNK_PAGES
+        return batch * self.kv_heads * (-(-self.pages(tokens) // C) * C)
 
     def pinned_bytes(self, num_ids: int) -> int:
         """Host bytes the engine pins for `num_ids` host pages: per layer a K and a V tensor
@@ -391,6 +398,7 @@ def prefill_run(b: Bench, mode: str, method: str) -> None:
     if method == "nosave":
         kw["kv_cache_memory_bytes"] = (ids_needed + 4 * sh.kv_heads) * sh.page_bytes
     else:
+        ids_needed = sh.host_ids(1, max_len)
         pinned = b.prepare_pinned(part, ids_needed)
         if pinned is None:
             return
@@ -526,7 +534,7 @@ def decode_plan(b: Bench, batch: int, context: int) -> dict:
             "full_slots_per_layer": full, "mandatory_slots_per_layer": mandatory,
             "mandatory_fraction": mandatory / full,
             "full_kv_gib": full * sh.page_bytes / GiB,
-            "host_pinned_gib": sh.pinned_bytes(full) / GiB}
+            "host_pinned_gib": sh.pinned_bytes(sh.host_ids(batch, max_len)) / GiB}
 
 
 def _pure_decode(sched, batch: int) -> bool | None:
@@ -711,7 +719,8 @@ def decode_run(b: Bench, plan: dict, kind: str, fraction=None) -> None:
         rec["cache_fraction"] = slots / full
         rec["device_cache_gib"] = slots * sh.page_bytes / GiB
         kw.update(**b.sparse_kwargs(), kv_offload=True,
-                  kv_offloading_size=(full + 0.5) * sh.page_bytes / GiB,
+                  kv_offloading_size=(sh.host_ids(batch, plan["max_model_len"]) + 0.5)
+                  * sh.page_bytes / GiB,
                   kv_cache_memory_bytes=slots * sh.page_bytes, h2d_method=a.h2d_method,
                   d2h_method=a.d2h_method, eviction=a.eviction)
     runs[label] = rec
@@ -719,7 +728,7 @@ def decode_run(b: Bench, plan: dict, kind: str, fraction=None) -> None:
         rec["skipped"] = True
         return
     if kind == "offload":
-        pinned = b.prepare_pinned(part, full)
+        pinned = b.prepare_pinned(part, sh.host_ids(batch, plan["max_model_len"]))
         if pinned is None:
             rec["skipped"] = True
             return

@@ -37,6 +37,7 @@ import common as C  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from sparseserve.config import HOST_CHUNK_PAGES  # noqa: E402
 from sparseserve.transfer import (FlashD2HSaver, PerPageCopySaver, bits_view,  # noqa: E402
                                   load_pages, memcpy_load_pages)
 
@@ -121,11 +122,22 @@ class PageSizeRun:
         dst = self.rng.permutation(self.P)[:n]
         return src, dst
 
-    def save_layout(self, n):
-        """n pages = n // HKV token runs of ps tokens x HKV heads; -> (T, pages [T,H], offs [T])."""
+    def save_layout(self, n, chunked: bool = False):
+        """n pages = n // HKV token runs of ps tokens x HKV heads; -> (T, pages [T,H], offs [T]).
+        Pages are random, or with `chunked` laid out as the engine allocates host pages:
+        each head's blocks in chunks of HOST_CHUNK_PAGES consecutive page ids."""
         runs = max(1, n // HKV)
         T = runs * self.ps
-        perm = self.rng.permutation(self.P)[: runs * HKV].reshape(runs, HKV)
+        if chunked:
+            C = HOST_CHUNK_PAGES
+            while C > 1 and self.P // C < HKV * -(-runs // C):
+                C //= 2  # tiny smoke buffers
+            nc = -(-runs // C)
+            ch = self.rng.permutation(self.P // C)[:HKV * nc].reshape(HKV, nc)
+            j = np.arange(runs)
+            perm = (ch[:, j // C] * C + j % C).T                      # [runs, HKV]
+        else:
+            perm = self.rng.permutation(self.P)[: runs * HKV].reshape(runs, HKV)
         pages = np.repeat(perm, self.ps, axis=0)                      # [T, HKV]
         offs = np.tile(np.arange(self.ps), runs)
         return T, pages.astype(np.int64), offs.astype(np.int64)
@@ -147,8 +159,8 @@ def check_load(r: PageSizeRun, method: str, n: int) -> bool:
                for ht, dt in ((r.host_k, r.dev_k), (r.host_v, r.dev_v)))
 
 
-def check_save(r: PageSizeRun, save_fn, n: int) -> bool:
-    T, pages, offs = r.save_layout(n)
+def check_save(r: PageSizeRun, save_fn, n: int, chunked: bool = False) -> bool:
+    T, pages, offs = r.save_layout(n, chunked)
     save_fn(T, pages, offs)
     if r.dev.type == "cuda":
         torch.cuda.synchronize()
@@ -170,6 +182,20 @@ def gpu_direct_fn(r: PageSizeRun):
         return lambda: kernel(r.host_k, r.host_v, r.k_new[:T], r.v_new[:T], p, o)
 
     return prep
+
+
+def scatter_extra(sv):
+    """-> a callable giving the CPU scatter rate of the saves made since this call."""
+    before = sv.stats()
+
+    def stats():
+        st = sv.stats()
+        busy = st.busy_s - before.busy_s
+        moved = st.bytes - before.bytes
+        return {"scatter_busy_s": busy,
+                "scatter_gbps_per_thread": moved / busy / 1e9 if busy else None,
+                "ring_stalls": sv.ring_stalls}
+    return stats
 
 
 def saver_call(sv, r: PageSizeRun, T, pages, offs):
@@ -361,6 +387,17 @@ def main(argv=None) -> dict:
             nbytes = 2 * n * r.page_bytes
             record("load", "flash-h2d", r, n, lambda: load_pages(
                 r.host_k, r.host_v, r.dev_k, r.dev_v, s_t, d_t, "flash"), nbytes)
+            # same pages in host order (consecutive ids): is page scatter the cost?
+            s_seq = torch.arange(n, device=dev)
+            record("load", "flash-h2d-seq", r, n, lambda: load_pages(
+                r.host_k, r.host_v, r.dev_k, r.dev_v, s_seq, d_t, "flash"), nbytes)
+            # one contiguous copy of the same bytes: the bulk bandwidth at this size
+            if cuda:
+                flat_h, flat_d = r.host_k.view(-1)[:nbytes // 4], r.dev_k.view(-1)[:nbytes // 4]
+                record("load", "bulk-same-bytes", r, n, lambda: (
+                    flat_d.copy_(flat_h, non_blocking=True),
+                    r.dev_v.view(-1)[:nbytes // 4].copy_(r.host_v.view(-1)[:nbytes // 4],
+                                                         non_blocking=True)), nbytes)
             why = per_page_reason(n)
             sl, dl = src.tolist(), dst.tolist()
             record("load", "per-page-copy", r, n, None if why else lambda: memcpy_load_pages(
@@ -379,26 +416,23 @@ def main(argv=None) -> dict:
         for name, sv in savers.items():
             check("save", name, r, n_chk, lambda sv=sv: check_save(
                 r, lambda T, p, o: saver_call(sv, r, T, p, o)(), n_chk))
+            check("save", name + "-chunked", r, n_chk, lambda sv=sv: check_save(
+                r, lambda T, p, o: saver_call(sv, r, T, p, o)(), n_chk, chunked=True))
         for n in args.pages:
             T, pages, offs = r.save_layout(n)
             nbytes = 2 * pages.size * r.D * 2                # rows x D x bf16, K and V
             record("save", "gpu-direct", r, n, gd(T, pages, offs), nbytes)
+            # FlashD2H also with the engine's page layout (chunks of consecutive host pages)
+            Tc, pages_c, offs_c = r.save_layout(n, chunked=True)
             for name, sv in savers.items():
                 why = per_page_reason(n) if name == "per-page-copy" else None
-                extra = None
+                layouts = [(name, T, pages, offs)]
                 if name.startswith("flash-d2h"):
-                    before = sv.stats()
-
-                    def scatter_stats(sv=sv, before=before):
-                        st = sv.stats()
-                        busy = st.busy_s - before.busy_s
-                        moved = st.bytes - before.bytes
-                        return {"scatter_busy_s": busy,
-                                "scatter_gbps_per_thread": moved / busy / 1e9 if busy else None,
-                                "ring_stalls": sv.ring_stalls}
-                    extra = scatter_stats
-                record("save", name, r, n, None if why else saver_call(sv, r, T, pages, offs),
-                       nbytes, reason=why, extra=extra)
+                    layouts.append((name + "-chunked", Tc, pages_c, offs_c))
+                for label, t_, p_, o_ in layouts:
+                    record("save", label, r, n, None if why else saver_call(sv, r, t_, p_, o_),
+                           nbytes, reason=why, extra=scatter_extra(sv) if label != name
+                           or name.startswith("flash-d2h") else None)
         return savers
 
     for kb in args.page_kb:

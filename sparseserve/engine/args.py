@@ -6,8 +6,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from sparseserve.config import (CacheConfig, EngineConfig, LoadConfig, ModelConfig,
-                                SchedulerConfig, SparseConfig)
+from sparseserve.config import (HOST_CHUNK_PAGES, CacheConfig, EngineConfig, LoadConfig,
+                                ModelConfig, SchedulerConfig, SparseConfig)
 
 logger = logging.getLogger("sparseserve")
 
@@ -124,8 +124,14 @@ class EngineArgs:
         num_pages = kv_bytes // page_bytes
         num_host_pages = self._host_pages(page_bytes)
         pool = num_host_pages if self.kv_offload else num_pages
-        capacity_tokens = (pool // mc.num_key_value_heads) * self.page_size
+        chunk = HOST_CHUNK_PAGES if self.kv_offload else 1  # pages come in whole chunks
+        capacity_tokens = (pool // chunk // mc.num_key_value_heads) * chunk * self.page_size
         if capacity_tokens < self.page_size:
+            if self.kv_offload:
+                need = page_bytes * chunk * mc.num_key_value_heads
+                raise ValueError(f"The host tier ({num_host_pages * page_bytes} bytes) holds no "
+                                 f"chunk of pages per KV head ({need} bytes); raise "
+                                 "kv_offloading_size.")
             raise ValueError(f"KV cache of {kv_bytes} bytes holds no full page set "
                              f"({page_bytes * mc.num_key_value_heads} bytes); raise "
                              "kv_cache_memory_bytes / gpu_memory_utilization.")
@@ -179,7 +185,8 @@ class EngineArgs:
         if self.kv_offloading_size is None or self.kv_offloading_size <= 0:
             raise ValueError("kv_offload needs kv_offloading_size: the GiB of host memory for "
                              "the host tier (e.g. --kv-offloading-size 64).")
-        return int(self.kv_offloading_size * GiB) // page_bytes
+        pages = int(self.kv_offloading_size * GiB) // page_bytes
+        return pages // HOST_CHUNK_PAGES * HOST_CHUNK_PAGES  # whole chunks (KVCacheManager)
 
     def _check_offload(self, sparse: SparseConfig, mc: ModelConfig, num_slots: int) -> None:
         from sparseserve.kvcache.eviction import EVICTION_POLICIES

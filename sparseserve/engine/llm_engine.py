@@ -245,13 +245,15 @@ class LLMEngine:
         return stats
 
     def num_free_pages(self) -> int:
-        return self.scheduler.kv.pool.num_free
+        return self.scheduler.kv.num_free_pages
 
     def num_total_pages(self) -> int:
-        return self.scheduler.kv.pool.num_pages
+        return self.scheduler.kv.num_pages
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+        if self.runner.offload is not None:
+            self.runner.offload.check_invariants()
 
     def check_health(self) -> None:
         if self.runner is None:

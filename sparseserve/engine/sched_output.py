@@ -30,8 +30,9 @@ class ScheduledChunk:
     layer_end: int
     sample: bool  # this chunk completes the request's known tokens: sample the next one
     num_output_tokens: int  # output tokens so far (seeded sampling derives its stream from it)
-    first_new_block: int = 0
-    new_pages: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.int32))  # [n, Hkv]
+    # chunk-table diff (see KVCacheManager): chunks [first_new_chunk, first_new_chunk + n)
+    first_new_chunk: int = 0
+    new_chunks: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.int32))  # [n, Hkv]
 
     @property
     def num_tokens(self) -> int:

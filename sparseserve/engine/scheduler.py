@@ -25,7 +25,8 @@ class Scheduler:
         self.num_layers = num_layers
         # with the two-tier cache the pool is the host tier; device slots are the worker's
         pool_pages = cache.num_host_pages if cache.kv_offload else cache.num_pages
-        self.kv = KVCacheManager(pool_pages, cache.page_size, num_kv_heads)
+        self.kv = KVCacheManager(pool_pages, cache.page_size, num_kv_heads,
+                                 cache.chunk_pages)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -161,7 +162,7 @@ class Scheduler:
 
     def _make_chunk(self, req: Request, n_tokens: int, l0: int, l1: int) -> ScheduledChunk:
         start = req.num_computed_tokens
-        first_block, new_pages = self.kv.allocate(req.request_id, start + n_tokens)
+        first_chunk, new_chunks = self.kv.allocate(req.request_id, start + n_tokens)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.time()
         return ScheduledChunk(
@@ -173,8 +174,8 @@ class Scheduler:
             layer_end=l1,
             sample=(l1 == self.num_layers and start + n_tokens == req.num_tokens),
             num_output_tokens=len(req.output_token_ids),
-            first_new_block=first_block,
-            new_pages=new_pages,
+            first_new_chunk=first_chunk,
+            new_chunks=new_chunks,
         )
 
     def update_after_step(self, out: SchedulerOutput) -> None:

@@ -87,7 +87,8 @@ def _copy_full_pages(dst_k, dst_v, src_k, src_v, dst_pages, starts, ps: int) -> 
 
     Whole pages following each other in staging (starts ps apart: a prefill chunk of one head)
     are one fancy assignment from a plain view of staging: ps * D element rows (16 KB for
-    64-token bf16 pages of D=128), a single copy. Short groups are gathered through a window
+    64-token bf16 pages of D=128), a single copy; when their host pages are consecutive too
+    (pages come in chunks of consecutive ids: KVCacheManager) a slice copy, one memcpy. Short groups are gathered through a window
     view in one call (a second copy)."""
     D = src_k.shape[1]
     rowlen = ps * D
@@ -98,6 +99,9 @@ def _copy_full_pages(dst_k, dst_v, src_k, src_v, dst_pages, starts, ps: int) -> 
         if b - a >= MIN_DIRECT_GROUP:
             s0 = int(starts[a])
             idx = dst_pages[a:b]
+            p0 = int(idx[0])
+            if int(idx[-1]) - p0 == b - a - 1 and np.all(np.diff(idx) == 1):
+                idx = slice(p0, p0 + b - a)  # consecutive pages (a chunk): one memcpy
             dst_k[idx] = src_k[s0:s0 + (b - a) * ps].reshape(b - a, rowlen)
             dst_v[idx] = src_v[s0:s0 + (b - a) * ps].reshape(b - a, rowlen)
         else:

@@ -3,7 +3,7 @@
 A decode step's whole forward (embedding, every layer with KV store + paged decode, logits)
 is captured once per batch-size bucket. Inputs are three static buffers (token ids,
 positions, batch rows); everything else (where K/V go, page lists, lengths) is derived on
-the device inside the graph from the persistent page table, so replay needs no host work
+the device inside the graph from the persistent page directory, so replay needs no host work
 beyond copying those three small vectors. Padding lanes point at a scratch row whose pages
 are a scratch page, so they read and write nothing that belongs to a request.
 """
@@ -41,7 +41,7 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         r = self.runner
-        args = (r.kv, r.page_table, self.rows[:b], self.positions[:b], b, [], r.scale)
+        args = (r.kv, r.pages, self.rows[:b], self.positions[:b], b, [], r.scale)
         if r.offload is None:
             ctx = ForwardContext(*args, sparse=r.sparse)
         else:

@@ -15,6 +15,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from sparseserve.kernels import paged_decode_attention
 from sparseserve.worker.sparse_runtime import SparseRuntime
+from sparseserve.worker.page_directory import PageDirectory
 
 
 @dataclass
@@ -39,36 +40,34 @@ class KVCacheTensors:
 class ForwardContext:
     """Attention over paged KV for one token batch.
 
-    page_table: [max_rows, Hkv, max_blocks] int32 device table of every running request.
+    pages:      the device page table of every running request (a chunk directory).
     rows:       [T] int64  batch row of each token's request
     positions:  [T] int64  absolute position of each token
     Rows [0, num_decode) are decode tokens (one per request, attending to positions <= own).
     """
 
-    def __init__(self, kv: KVCacheTensors, page_table: torch.Tensor, rows: torch.Tensor,
+    def __init__(self, kv: KVCacheTensors, pages: PageDirectory, rows: torch.Tensor,
                  positions: torch.Tensor, num_decode: int, prefills: list[PrefillSeq],
                  scale: float, decode_width: int | None = None,
                  sparse: SparseRuntime | None = None) -> None:
         self.kv = kv
         self.sparse = sparse
         self.on_select = None  # evaluation hook: f(layer, q, selection, k_cache, v_cache)
-        self.page_table = page_table
+        self.pages = pages
         self.num_decode = num_decode
         self.prefills = prefills
         self.scale = scale
         ps = kv.page_size
-        hkv = page_table.shape[1]
-        heads = torch.arange(hkv, device=rows.device)
+        hkv = pages.num_kv_heads
         # where each token's K/V lands: page [T, Hkv] and offset [T, 1] within it
-        self.store_pages = page_table[rows[:, None], heads[None, :],
-                                      torch.div(positions, ps, rounding_mode="floor")[:, None]].long()
+        self.store_pages = pages.pages_at(rows, torch.div(positions, ps, rounding_mode="floor"))
         self.store_offsets = (positions % ps)[:, None]
         if num_decode:
             drows = rows[:num_decode]
             seq_lens = positions[:num_decode] + 1
             self.dec_rows, self.dec_seq_lens = drows, seq_lens
-            width = decode_width or page_table.shape[2]
-            self.dec_page_table = page_table[drows, :, :width]  # [Bd, Hkv, W]
+            width = decode_width or pages.max_blocks
+            self.dec_page_table = pages.table(drows, width)  # [Bd, Hkv, W]
             n_pages = torch.div(seq_lens + ps - 1, ps, rounding_mode="floor")
             self.dec_num_pages = n_pages[:, None].expand(-1, hkv).to(torch.int32).contiguous()
             self.dec_last_len = (seq_lens - (n_pages - 1) * ps).to(torch.int32)
@@ -96,7 +95,7 @@ class ForwardContext:
             b0, b1 = p.start // ps, (p.start + p.q_end - p.q_start) // ps
             if b1 <= b0:
                 continue
-            ids.append(self.page_table[p.row, :, b0:b1].t().long())  # [nb, Hkv]
+            ids.append(self.pages.row_range(p.row, b0, b1).t().long())  # [nb, Hkv]
             pos = positions[p.q_start:p.q_end]
             # the query of the token that fills the page (its last), as in decode, so the
             # summary does not depend on how the prompt was chunked
@@ -139,7 +138,7 @@ class ForwardContext:
     def _index(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor) -> None:
         queries = None
         if self.sparse.needs_queries:
-            hkv = self.page_table.shape[1]
+            hkv = self.pages.num_kv_heads
             t, hq, d = q.shape
             e = self.num_fill_entries
             # tokens without an entry add into a dropped extra row (no boolean mask: no sync)
@@ -160,7 +159,7 @@ class ForwardContext:
         else:
             total = p.start + n
             ps = self.kv.page_size
-            pages = self.page_table[p.row, :, :(total + ps - 1) // ps].long()  # [Hkv, nb]
+            pages = self.pages.row_range(p.row, 0, (total + ps - 1) // ps).long()  # [Hkv, nb]
             hkv, nb = pages.shape
             ks = k_cache[pages].reshape(hkv, nb * ps, -1)[:, :total]
             vs = v_cache[pages].reshape(hkv, nb * ps, -1)[:, :total]

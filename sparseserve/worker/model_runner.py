@@ -20,6 +20,7 @@ from sparseserve.request import SamplingParams
 from sparseserve.worker.forward_context import ForwardContext, KVCacheTensors, PrefillSeq
 from sparseserve.worker.offload_cache import TwoTierCache
 from sparseserve.worker.offload_context import OffloadForwardContext
+from sparseserve.worker.page_directory import PageDirectory
 from sparseserve.worker.sampler import Sampler, SamplingBatch
 from sparseserve.worker.sparse_runtime import SparseRuntime
 
@@ -78,12 +79,9 @@ class ModelRunner:
                                         self.dtype, self.device)
             self.offload.attach_device_tier(self.kv.k, self.kv.v)
             num_ids = cfg.cache.num_host_pages
-        self.page_table = torch.zeros((rows + 1, self.num_kv_heads, self.max_blocks),
-                                      dtype=torch.int32, device=self.device)
-        self.page_table[self.scratch_row] = num_ids
-        # CPU mirror: the saver needs host page ids without asking the device
-        self.page_table_np = np.zeros((rows + 1, self.num_kv_heads, self.max_blocks), np.int32)
-        self.page_table_np[self.scratch_row] = num_ids
+        # the device page table: a chunk directory (+ CPU mirror for the saver's host ids)
+        self.pages = PageDirectory(rows, self.num_kv_heads, self.max_blocks,
+                                   cfg.cache.chunk_pages, num_ids, self.device)
         self.row_params: dict[int, SamplingParams] = {}
         self.saved_hidden: dict[str, torch.Tensor] = {}  # layer-segmented prefill state
         self.sampler = Sampler(self.device, cfg.seed)
@@ -198,13 +196,13 @@ class ModelRunner:
         width = None
         if num_decode:  # pages of the longest decode request (known on the CPU: no sync)
             width = max(cdiv(c.start + 1, self.page_size) for c in chunks[:num_decode])
-        args = (self.kv, self.page_table, rows, positions, num_decode, prefills, self.scale)
+        args = (self.kv, self.pages, rows, positions, num_decode, prefills, self.scale)
         if self.offload is None:
             return ForwardContext(*args, decode_width=width, sparse=self.sparse)
         pos, rws = self._np_pos, self._np_rows
         if np_idx is not None:
             pos, rws = pos[np_idx], rws[np_idx]
-        save_pages = self.page_table_np[rws, :, pos // self.page_size]  # [T, Hkv]
+        save_pages = self.pages.host_pages(rws, pos // self.page_size)  # [T, Hkv]
         return OffloadForwardContext(*args, decode_width=width, sparse=self.sparse,
                                      cache=self.offload, save_pages=save_pages,
                                      save_offsets=pos % self.page_size)
@@ -251,23 +249,20 @@ class ModelRunner:
             self.offload.free_pages(pages)
 
     def _apply_page_diffs(self, chunks: list[ScheduledChunk]) -> None:
-        """Write newly allocated pages into the device page table in one scatter."""
-        parts = [c for c in chunks if c.new_pages.size]
+        """Write newly allocated chunks into the page directory in one scatter."""
+        parts = [c for c in chunks if c.new_chunks.size]
         if not parts:
             return
         hkv = self.num_kv_heads
-        r_idx, h_idx, b_idx, vals = [], [], [], []
+        r_idx, h_idx, c_idx, vals = [], [], [], []
         for c in parts:
-            nb = c.new_pages.shape[0]
-            blocks = np.arange(c.first_new_block, c.first_new_block + nb)
-            r_idx.append(np.full(nb * hkv, c.row))
-            h_idx.append(np.tile(np.arange(hkv), nb))
-            b_idx.append(np.repeat(blocks, hkv))
-            vals.append(c.new_pages.reshape(-1))
-        r, h, b, val = (np.concatenate(x) for x in (r_idx, h_idx, b_idx, vals))
-        self.page_table_np[r, h, b] = val
-        idx = [_to_device(x, torch.long, self.device) for x in (r, h, b)]
-        self.page_table[idx[0], idx[1], idx[2]] = _to_device(val, torch.int32, self.device)
+            n = c.new_chunks.shape[0]
+            r_idx.append(np.full(n * hkv, c.row))
+            h_idx.append(np.tile(np.arange(hkv), n))
+            c_idx.append(np.repeat(np.arange(c.first_new_chunk, c.first_new_chunk + n), hkv))
+            vals.append(c.new_chunks.reshape(-1))
+        r, h, ci, val = (np.concatenate(x) for x in (r_idx, h_idx, c_idx, vals))
+        self.pages.write(r, h, ci, val, lambda x, dt: _to_device(x, dt, self.device))
 
 
 def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -3,10 +3,12 @@
 Host tier: every page of every request, per layer `[num_host_pages + 1, page_size, D]` in
 pinned DRAM (the extra page is scratch). Page ids the scheduler allocates are host page ids.
 Device tier: per layer a pool of slots `[num_slots + 1, page_size, D]` (the extra slot is
-scratch) with a residency map page -> slot, a reverse map slot -> page, each slot's last
-access step and owning batch row. All of it lives on the device and is updated there with
-fixed shapes: `retrieve` maps a selection to slots, picks victims for misses (category LRU or
-LRU) and loads the missing pages with FlashH2D (or per-page copies), with no host sync.
+scratch) with a reverse map slot -> page, each slot's last access step and owning batch row,
+and a residency index page -> slot (kernels/residency_hash.py: a hash table sized by the
+slots, so device metadata grows with the cache, not with the host tier). All of it lives on
+the device and is updated there with fixed shapes: `retrieve` maps a selection to slots, picks
+victims for misses (category LRU or LRU) and loads the missing pages with FlashH2D (or
+per-page copies), with no host sync.
 
 New KV is written through to the host tier by the saver (FlashD2H) every step; the runner
 waits for the previous step's saves before it starts a step, so no page is loaded from DRAM
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 from sparseserve.config import CacheConfig
+from sparseserve.kernels import residency_hash
 from sparseserve.kvcache.eviction import victim_order
 from sparseserve.transfer import PageLoader, make_saver
 
@@ -63,12 +66,10 @@ class TwoTierCache:
         self.scratch_slot = self.num_slots
         self.scratch_page = self.num_host_pages
         self.scratch_row = num_rows
-        # residency: [L, num_host_pages + 1] slot or -1; [L, num_slots + 1] page or -1
-        self.slot_of = torch.full((num_layers, hp), -1, dtype=torch.long, device=device)
+        # reverse map [L, num_slots + 1]: page or -1; residency index [L, H] (page -> slot)
         self.page_of = torch.full((num_layers, s1), -1, dtype=torch.long, device=device)
-        # the scratch page always "hits" the scratch slot: padding lanes and masked entries
-        # never take a real slot
-        self.slot_of[:, self.scratch_page] = self.scratch_slot
+        self.res_table = torch.full((num_layers, residency_hash.table_size(s1)), -1,
+                                    dtype=torch.int32, device=device)
         self.last_access = torch.full((num_layers, s1), -1, dtype=torch.long, device=device)
         self.owner = torch.full((num_layers, s1), num_rows, dtype=torch.long, device=device)
         # elastic buffer: per-row quota of resident slots per layer (scheduler-settable)
@@ -95,14 +96,20 @@ class TwoTierCache:
         """Pages returned to the host pool: drop their residency (their ids will be reused)."""
         if pages.size == 0:
             return
-        idx = torch.as_tensor(pages, dtype=torch.long).to(self.slot_of.device)
-        slots = self.slot_of[:, idx]  # [L, n]
-        slots = torch.where(slots >= 0, slots, self.scratch_slot)
-        self.page_of.scatter_(1, slots, -1)
-        self.last_access.scatter_(1, slots, -1)
-        self.owner.scatter_(1, slots, self.scratch_row)
-        self.slot_of[:, idx] = -1
-        self.slot_of[:, self.scratch_page] = self.scratch_slot
+        idx = torch.as_tensor(pages, dtype=torch.long).to(self.page_of.device)
+        for layer in range(self.num_layers):
+            slots = self.slot_of(layer, idx)
+            slots = torch.where(slots >= 0, slots, self.scratch_slot)
+            self.page_of[layer, slots] = -1
+            self.last_access[layer, slots] = -1
+            self.owner[layer, slots] = self.scratch_row
+            residency_hash.rebuild(self.res_table[layer], self.page_of[layer])
+
+    def slot_of(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """Slot holding each host page [N] (-1: not resident); the scratch page always maps
+        to the scratch slot, so padding lanes and masked entries never take a real slot."""
+        slots = residency_hash.lookup(self.res_table[layer], self.page_of[layer], pages)
+        return torch.where(pages == self.scratch_page, self.scratch_slot, slots)
 
     def set_row_quota(self, row: int, quota_slots: int) -> None:
         """Elastic buffer: slots (per layer) `row` may keep resident before its pages are
@@ -151,9 +158,9 @@ class TwoTierCache:
         pages = torch.where(valid, pages.long(), self.scratch_page).reshape(-1)
         valid = valid.reshape(-1)
         owner = rows.long()[:, None, None].expand(shape).reshape(-1)
-        slot_of, page_of = self.slot_of[layer], self.page_of[layer]
+        page_of = self.page_of[layer]
         last, own = self.last_access[layer], self.owner[layer]
-        slots = slot_of[pages]
+        slots = self.slot_of(layer, pages)
         hit = valid & (slots >= 0)
         miss = valid & (slots < 0)
         self.hits += (hit & (pages != self.scratch_page)).sum()
@@ -165,17 +172,13 @@ class TwoTierCache:
         rank = (torch.cumsum(miss.long(), 0) - 1).clamp(min=0)
         n = order.shape[0]
         victim = torch.where(miss, order[rank.clamp(max=n - 1)], self.scratch_slot)
-        # unmap what the victims held, map the missing pages to them
-        old = page_of[victim]
-        slot_of.index_put_((torch.where(miss & (old >= 0), old, self.scratch_page),),
-                           torch.full_like(old, -1))
+        # the victims now hold the missing pages (what they held is unmapped with it)
         page_of.index_put_((victim,), torch.where(miss, pages, -1))
-        slot_of.index_put_((torch.where(miss, pages, self.scratch_page),), victim)
         last.index_put_((victim,), torch.where(miss, self.step, -1))
         own.index_put_((victim,), torch.where(miss, owner, self.scratch_row))
         # fill_ on a view, not `x[i] = v` (that copies a CPU scalar tensor: not capturable)
-        slot_of[self.scratch_page].fill_(self.scratch_slot)
         page_of[self.scratch_slot].fill_(-1)
+        residency_hash.rebuild(self.res_table[layer], page_of)
         self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
                          self.dev_v[layer], torch.where(miss, pages, -1), victim)
         return torch.where(hit, slots, victim).reshape(shape)
@@ -187,7 +190,7 @@ class TwoTierCache:
     def gather_host(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of host pages [n] -> device tensors [n, page_size, D] (prefill history)."""
         n = pages.shape[0]
-        dev = self.slot_of.device
+        dev = self.page_of.device
         k = torch.empty((n,) + self.host_k[layer].shape[1:], dtype=self.host_k[layer].dtype,
                         device=dev)
         v = torch.empty_like(k)
@@ -205,6 +208,20 @@ class TwoTierCache:
                 "bytes_saved_total": saved.bytes + int(self.direct_bytes_saved),
                 "pages_loaded_total": loaded.pages,
                 "resident_slots": int((self.page_of[:, :-1] >= 0).sum())}
+
+    def check_invariants(self) -> None:
+        """The residency index and the reverse map agree (tests; reads the device): every
+        mapped slot is found from its page, no page is mapped twice, the scratch slot holds
+        nothing, and the index has exactly one entry per mapped slot."""
+        for layer in range(self.num_layers):
+            page_of = self.page_of[layer]
+            assert int(page_of[self.scratch_slot]) == -1, "scratch slot mapped"
+            mapped = torch.nonzero(page_of >= 0).flatten()
+            pages = page_of[mapped]
+            assert pages.unique().numel() == pages.numel(), "page mapped to two slots"
+            found = self.slot_of(layer, pages)
+            assert torch.equal(found, mapped), "residency index disagrees with page_of"
+            assert int((self.res_table[layer] >= 0).sum()) == mapped.numel()
 
     def close(self) -> None:
         self.saver.wait_all()

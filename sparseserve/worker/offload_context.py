@@ -110,7 +110,7 @@ class OffloadForwardContext(ForwardContext):
         hkv = ks.shape[0]
         if p.start:
             nb = -(-p.start // ps)
-            pages = self.page_table[p.row, :, :nb].reshape(-1)  # [Hkv * nb] host pages
+            pages = self.pages.row_range(p.row, 0, nb).reshape(-1)  # [Hkv * nb] host pages
             hk, hv = self.cache.gather_host(layer, pages)
             hk = hk.view(hkv, nb * ps, -1)[:, :p.start]
             hv = hv.view(hkv, nb * ps, -1)[:, :p.start]
@@ -119,7 +119,7 @@ class OffloadForwardContext(ForwardContext):
         if b1 > b0:  # pages completed by this chunk, summarised from the contiguous K
             nb = b1 - b0
             pages_k = ks[:, b0 * ps:b1 * ps].reshape(hkv * nb, ps, -1).contiguous()
-            host_ids = self.page_table[p.row, :, b0:b1].reshape(-1)
+            host_ids = self.pages.row_range(p.row, b0, b1).reshape(-1)
             fill_pos = torch.arange(b0, b1, device=q.device) * ps + ps - 1 - p.start
             qf = q[p.q_start:p.q_end][fill_pos].float()  # [nb, Hq, D]
             queries = qf.view(nb, hkv, -1, qf.shape[-1]).transpose(0, 1).reshape(

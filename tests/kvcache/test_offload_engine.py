@@ -70,10 +70,27 @@ def test_offload_many_requests_no_leaks_and_roomy_cache_hits(model_dir):
         assert llm.engine.num_free_pages() == llm.engine.num_total_pages()
     off = llm.engine.runner.offload
     assert int((off.page_of[:, :-1] >= 0).sum()) == 0
-    # residency maps agree with each other
-    for layer in range(3):
-        mapped = off.slot_of[layer, :-1]
-        assert torch.all(off.page_of[layer][mapped[mapped >= 0]] >= 0)
+
+
+def test_residency_index_consistent_while_running(model_dir):
+    """Step the engine by hand: after every step the residency index (hash table) and the
+    reverse map agree, pages stay in their request's chunks, and a tight cache really evicts."""
+    llm = offload_llm(model_dir, 40, max_num_batched_tokens=64)
+    eng = llm.engine
+    rng = random.Random(5)
+    for i, n in enumerate([97, 17, 130, 54]):
+        eng.add_request(str(i), {"prompt_token_ids": [rng.randrange(3, 320) for _ in range(n)]},
+                        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        eng.check_invariants()
+        steps += 1
+    assert steps > 40
+    stats = eng.get_stats()
+    assert stats["cache_misses_total"] > 0 and stats["cache_hits_total"] > 0
+    assert int((eng.runner.offload.page_of[:, :-1] >= 0).sum()) == 0
+    assert eng.num_free_pages() == eng.num_total_pages()
 
 
 def test_offload_config_errors(model_dir):
@@ -83,3 +100,23 @@ def test_offload_config_errors(model_dir):
         LLM(model_dir, **dict(SPARSE, kv_offload=True))
     with pytest.raises(ValueError, match="slots"):
         offload_llm(model_dir, 8)
+
+
+def test_device_metadata_grows_with_slots_not_host_tier(model_dir):
+    """Two-level page table: the device holds a chunk directory and a residency index sized
+    by the slots; a 4x larger host tier adds no device metadata (summaries aside)."""
+    from sparseserve.config import HOST_CHUNK_PAGES
+    from sparseserve.kernels.residency_hash import table_size
+    sizes = []
+    for host_pages in (200, 800):
+        llm = LLM(model_dir, **dict(SPARSE, kv_offload=True, kv_cache_memory_bytes=64 * PAGE_BYTES,
+                                    kv_offloading_size=host_pages * PAGE_BYTES / 2**30))
+        r = llm.engine.runner
+        off = r.offload
+        assert r.pages.chunks.shape == (SPARSE["max_num_seqs"] + 1, 2,
+                                        -(-r.max_blocks // HOST_CHUNK_PAGES))
+        assert off.res_table.shape == (3, table_size(off.num_slots + 1))
+        assert off.num_host_pages == host_pages // HOST_CHUNK_PAGES * HOST_CHUNK_PAGES
+        sizes.append(sum(t.numel() * t.element_size() for t in
+                         (r.pages.chunks, off.res_table, off.page_of, off.last_access, off.owner)))
+    assert sizes[0] == sizes[1]

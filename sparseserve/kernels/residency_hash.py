@@ -1,0 +1,161 @@
+"""Residency index of the device page cache: host page -> device slot, sized by the slots.
+
+A flat map (one entry per host page and layer) grows with the host tier — the address
+space; this index grows with the device cache — the working set (DESIGN.md §5). It is an
+open-addressing hash table with linear probing, one per layer: ``table [H]`` int32 holds slot
+ids or -1 (empty), ``H`` a power of two >= 2 x slots (load <= 1/2). A slot's key is not
+stored in the table: it is ``page_of[slot]`` (the cache's reverse map, the source of truth),
+so the table is 4 bytes per entry and can never disagree with the cache about a key.
+
+There is no deletion: after the cache remaps slots, the table is rebuilt from ``page_of``
+(``rebuild``: clear + insert every mapped slot; O(slots) work, done in one kernel). Entries
+only ever go from empty to full during a build, so a key placed at position x had every
+position from its hash to x - 1 occupied, and a lookup that probes until it meets the key or
+an empty entry finds it — whatever order parallel inserts ran in.
+
+Triton kernels (GPU, or CPU tensors in Triton's interpreter) and torch versions with the same
+contract (the CPU engine path; the reference of the tests). No host sync in the kernels:
+capturable in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import patch_triton_interpreter
+
+patch_triton_interpreter()
+
+__all__ = ["table_size", "hash_pages", "rebuild", "lookup"]
+
+BLOCK = 256
+_M32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # < 2**27: x * _MIX stays below 2**59 for x < 2**32 (no int64 overflow)
+
+
+def table_size(num_slots: int) -> int:
+    """Entries of one layer's table: a power of two >= 2 x num_slots (load factor <= 1/2)."""
+    return max(16, triton.next_power_of_2(2 * max(1, num_slots)))
+
+
+def hash_pages(pages: torch.Tensor, mask: int) -> torch.Tensor:
+    """Home position of each page id (>= 0): [N] int64 in [0, mask]. Integer mixing so that
+    consecutive page ids (a chunk) spread over the table."""
+    x = pages.long() & _M32
+    x = ((x >> 16) ^ x) * _MIX & _M32
+    x = ((x >> 16) ^ x) * _MIX & _M32
+    x = (x >> 16) ^ x
+    return x & mask
+
+
+@triton.jit
+def _hash(p, mask):
+    x = p & 0xFFFFFFFF
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    x = (x >> 16) ^ x
+    return x & mask
+
+
+@triton.jit
+def _rebuild_kernel(table_ptr, page_of_ptr, S, mask, BLOCK: tl.constexpr):
+    """Insert every slot s < S with page_of[s] >= 0 (the table was cleared to -1)."""
+    s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    p = tl.load(page_of_ptr + s, mask=s < S, other=-1).to(tl.int64)
+    pending = p >= 0
+    pos = _hash(tl.maximum(p, 0), mask)
+    slot = s.to(tl.int32)
+    while tl.max(pending.to(tl.int32), axis=0) > 0:
+        # lanes not pending compare against -2, which never matches: no write
+        cmp = tl.where(pending, -1, -2).to(tl.int32)
+        old = tl.atomic_cas(table_ptr + pos, cmp, slot)
+        placed = pending & (old == -1)
+        pending = pending & ~placed
+        pos = tl.where(pending, (pos + 1) & mask, pos)
+
+
+@triton.jit
+def _lookup_kernel(table_ptr, page_of_ptr, pages_ptr, out_ptr, N, mask, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    p = tl.load(pages_ptr + i, mask=i < N, other=-1).to(tl.int64)
+    active = p >= 0
+    pos = _hash(tl.maximum(p, 0), mask)
+    res = tl.full((BLOCK,), -1, tl.int64)
+    while tl.max(active.to(tl.int32), axis=0) > 0:
+        s = tl.load(table_ptr + pos, mask=active, other=-1)
+        full = active & (s >= 0)
+        key = tl.load(page_of_ptr + tl.maximum(s, 0), mask=full, other=-1)
+        found = full & (key == p)
+        res = tl.where(found, s.to(tl.int64), res)
+        active = full & ~found
+        pos = tl.where(active, (pos + 1) & mask, pos)
+    tl.store(out_ptr + i, res, mask=i < N)
+
+
+def rebuild(table: torch.Tensor, page_of: torch.Tensor, *, backend: str | None = None) -> None:
+    """Rebuild one layer's table from the reverse map.
+
+    table:   [H] int32, H a power of two (``table_size``); overwritten
+    page_of: [S] int64  page held by each slot, -1 = free (every mapped page at most once)
+    """
+    H = table.shape[0]
+    assert H & (H - 1) == 0 and page_of.shape[0] <= H // 2
+    table.fill_(-1)
+    if _backend(table, backend) == "torch":
+        _torch_rebuild(table, page_of)
+        return
+    S = page_of.shape[0]
+    _rebuild_kernel[(triton.cdiv(S, BLOCK),)](table, page_of, S, H - 1, BLOCK=BLOCK)
+
+
+def lookup(table: torch.Tensor, page_of: torch.Tensor, pages: torch.Tensor, *,
+           backend: str | None = None) -> torch.Tensor:
+    """Slot holding each page: [N] int64, -1 where the page is not resident or pages[i] < 0.
+
+    table [H] int32 (built by ``rebuild`` from page_of); page_of [S] int64; pages [N] int."""
+    pages = pages.contiguous()
+    if _backend(table, backend) == "torch":
+        return _torch_lookup(table, page_of, pages)
+    N = pages.shape[0]
+    out = torch.empty(N, dtype=torch.int64, device=pages.device)
+    if N:
+        _lookup_kernel[(triton.cdiv(N, BLOCK),)](table, page_of, pages, out, N,
+                                                 table.shape[0] - 1, BLOCK=BLOCK)
+    return out
+
+
+def _backend(t: torch.Tensor, backend: str | None) -> str:
+    if backend is not None:
+        return backend
+    return "triton" if t.is_cuda else "torch"
+
+
+def _torch_rebuild(table: torch.Tensor, page_of: torch.Tensor) -> None:
+    """Same result class as the kernel: every mapped slot reachable from its page's home."""
+    mask = table.shape[0] - 1
+    slot = torch.nonzero(page_of >= 0).flatten()
+    pos = hash_pages(page_of[slot], mask)
+    while slot.numel():
+        free = table[pos] < 0
+        cand_slot, cand_pos = slot[free], pos[free]
+        table[cand_pos] = cand_slot.to(table.dtype)  # duplicates: one of them wins
+        won = torch.zeros_like(free)
+        won[free] = table[cand_pos] == cand_slot.to(table.dtype)
+        slot, pos = slot[~won], (pos[~won] + 1) & mask
+
+
+def _torch_lookup(table: torch.Tensor, page_of: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    mask = table.shape[0] - 1
+    pages = pages.long()
+    res = torch.full_like(pages, -1)
+    idx = torch.nonzero(pages >= 0).flatten()
+    pos = hash_pages(pages[idx], mask)
+    while idx.numel():
+        s = table[pos].long()
+        full = s >= 0
+        found = full & (page_of[s.clamp(min=0)] == pages[idx])
+        res[idx[found]] = s[found]
+        go = full & ~found
+        idx, pos = idx[go], (pos[go] + 1) & mask
+    return res

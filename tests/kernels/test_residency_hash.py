@@ -1,0 +1,54 @@
+"""Residency index (hash table page -> slot): Triton kernels (interpreter) and the torch path
+vs a dict built from the reverse map, at odd sizes, with dense runs of page ids (a chunk)
+and a nearly full table."""
+import pytest
+import torch
+
+from sparseserve.kernels import residency_hash as rh
+
+
+def expected(page_of, queries):
+    where = {int(p): s for s, p in enumerate(page_of.tolist()) if p >= 0}
+    return torch.tensor([where.get(int(p), -1) if p >= 0 else -1 for p in queries.tolist()])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("num_slots,fill", [(1, 1.0), (17, 0.5), (97, 1.0), (4097, 0.8)])
+def test_lookup_finds_every_mapped_slot(backend, num_slots, fill):
+    g = torch.Generator().manual_seed(num_slots)
+    page_of = torch.full((num_slots,), -1, dtype=torch.long)
+    mapped = torch.rand(num_slots, generator=g) < fill
+    n = int(mapped.sum())
+    # half consecutive ids (a chunk's pages), half scattered ids
+    ids = torch.cat([torch.arange(1000, 1000 + n // 2),
+                     torch.randperm(10**6, generator=g)[:n - n // 2] + 2000])
+    page_of[mapped] = ids
+    table = torch.empty(rh.table_size(num_slots), dtype=torch.int32)
+    rh.rebuild(table, page_of, backend=backend)
+    assert int((table >= 0).sum()) == n
+    queries = torch.cat([page_of, torch.randint(0, 10**6, (301,), generator=g),
+                         torch.tensor([-1, 0])])
+    got = rh.lookup(table, page_of, queries, backend=backend)
+    assert torch.equal(got, expected(page_of, queries))
+
+
+def test_backends_agree_after_remapping():
+    """Rebuilt after slots change pages (eviction): no stale entry survives."""
+    g = torch.Generator().manual_seed(3)
+    page_of = torch.randperm(500, generator=g)[:64].long()
+    table = torch.empty(rh.table_size(64), dtype=torch.int32)
+    for i in range(3):
+        victims = torch.randperm(64, generator=g)[:20]
+        page_of[victims] = torch.randperm(500, generator=g)[:20] + 500 * (i + 1)  # fresh ids
+        page_of[victims[:5]] = -1
+        for backend in ("torch", "triton"):
+            rh.rebuild(table, page_of, backend=backend)
+            q = torch.arange(-1, 2000)
+            assert torch.equal(rh.lookup(table, page_of, q, backend=backend),
+                               expected(page_of, q))
+
+
+def test_table_size_keeps_load_at_most_half():
+    for s in (1, 2, 17, 1000, 4096, 4097):
+        h = rh.table_size(s)
+        assert h & (h - 1) == 0 and h >= 2 * s
