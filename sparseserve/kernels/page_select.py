@@ -9,8 +9,10 @@ spec:
    = q_g+ . M + q_g- . m`` (equal whenever ``M >= m``: a min/max box and ArkVale's ``c -/+ r``
    box). The group's bounds of a ``[BLOCK_W, D]`` summary tile are two ``tl.dot``s against the
    ``[D, GP]`` matrices of the heads' positive and negative parts (GP = G padded to 16 for the
-   dot; fp32 accumulation, IEEE precision). Kept pages (sink, local window) and the partial
-   last page are not scored: their summaries are never read.
+   dot; operands in the summary dtype, where q+ / q- are exact, products exact, fp32
+   accumulation; IEEE for fp32 summaries, not TF32): memory-bound like a single sum, where
+   per-head elementwise FMAs would cost G times the raw sum's arithmetic. Kept pages (sink,
+   local window) and the partial last page are not scored: their summaries are never read.
 2. Normalisation. ``x_g = u_g * D**-0.5 * log2(e)`` is written to a ``[G, W]`` fp32 scratch row
    while an online max / sum-of-exp2 per head runs over the scored pages (as flash attention
    does), giving ``lse_g``. Split mode keeps one partial (max, sum) per split program and the
@@ -85,7 +87,8 @@ def _page_select_kernel(
     W, k_top, k_out, sink, local, chunks_per_split, num_splits, qk_scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, TILE: tl.constexpr, ONE_TILE: tl.constexpr,
-    BLOCK_K: tl.constexpr, DO_SCORE: tl.constexpr, DO_SELECT: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, DO_SCORE: tl.constexpr,
+    DO_SELECT: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -122,8 +125,8 @@ def _page_select_kernel(
                          other=0.0)                                          # [BLOCK_W, BLOCK_D]
             lo = tl.load(kmin_ptr + page[:, None] * stride_min + offs_d[None, :], mask=m2,
                          other=0.0).to(hi.dtype)
-            u = tl.dot(hi, qp, input_precision="ieee")                       # [BLOCK_W, GP] fp32
-            u = tl.dot(lo, qn, acc=u, input_precision="ieee")
+            u = tl.dot(hi, qp, input_precision=DOT_PREC)                     # [BLOCK_W, GP] fp32
+            u = tl.dot(lo, qn, acc=u, input_precision=DOT_PREC)
             x = u * qk_scale
             tl.store(s_row + offs_g[None, :] * stride_sg + offs_w[:, None], x,
                      mask=need[:, None] & (offs_g[None, :] < G))
@@ -256,6 +259,10 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     B, Hq, D = q.shape
     _, Hkv, W = page_table.shape
     assert Hq % Hkv == 0 and W >= 1
+    if not q.is_cuda and kmax.dtype == torch.bfloat16:
+        # Triton's interpreter multiplies bf16 dot operands' bit patterns (triton#11584):
+        # run it in fp32 there (exact: bf16 values are fp32 values)
+        q, kmin, kmax = q.float(), kmin.float(), kmax.float()
     assert q.stride(2) == 1 and kmin.stride(1) == 1 and kmax.stride(1) == 1
     page_table = page_table.to(torch.int32)  # no-ops for the engine's int32 tables
     num_pages = num_pages.to(torch.int32)
@@ -303,7 +310,10 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
             D ** -0.5 * LOG2E)
     meta = dict(G=G, GP=GP, D=D, BLOCK_W=block_w, BLOCK_D=BLOCK_D,
                 BLOCK_S=triton.next_power_of_2(splits), TILE=TILE, ONE_TILE=TILE >= W,
-                BLOCK_K=triton.next_power_of_2(k_out))
+                BLOCK_K=triton.next_power_of_2(k_out),
+                # fp32 summaries: exact products (no TF32); 16-bit operands multiply exactly
+                # on the tensor cores whatever the setting
+                DOT_PREC="ieee" if kmax.dtype == torch.float32 else "tf32")
     if splits == 1:
         _page_select_kernel[(B, Hkv, 1)](*args, **meta, DO_SCORE=True, DO_SELECT=True,
                                          num_warps=sel_warps)

@@ -228,6 +228,16 @@ def test_algorithm_select_equals_generic_select(algo, monkeypatch):
                                                                    want.page_table)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA bf16 test covers GPUs")
+def test_select_bf16_on_the_interpreter():
+    """bf16 summaries run on Triton's interpreter too (in fp32 there: its bf16 dot is wrong)."""
+    gen = torch.Generator().manual_seed(6)
+    q, kmin, kmax, table, num = _case([97, 1, 54], 6, 2, 32, 100, gen, "normal")
+    bf = [t.to(torch.bfloat16) for t in (q, kmin, kmax)]
+    got = select_pages(*bf, table, num, None, 16, 1, 2)
+    _check(got, *[t.float() for t in bf], table, num, 16, 1, 2, 1e-3)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("splits", [None, 1, 4])
 def test_select_bf16_cuda(splits):
