@@ -22,7 +22,8 @@ def add_eval_args(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--algorithms", nargs="+", default=ALGORITHMS,
                    help="sparse algorithms (dense is always the baseline); scoring variants: "
                         "quest-sum, arkvale-sum (raw bound sums over the GQA group), "
-                        "quest-massall, arkvale-massall (mass normalised over kept pages too)")
+                        "quest-massscored, arkvale-massscored (mass normalised over the scored pages "
+                        "only, not the kept ones)")
     f.add_argument("--num-texts", type=int, default=3, help="texts per length")
     f.add_argument("--tail", type=int, default=256, help="teacher-forced positions per text")
     f.add_argument("--chunk-rows", type=int, default=256,

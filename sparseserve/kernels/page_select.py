@@ -11,14 +11,15 @@ spec:
    ``[D, GP]`` matrices of the heads' positive and negative parts (GP = G padded to 16 for the
    dot; operands in the summary dtype, where q+ / q- are exact, products exact, fp32
    accumulation; IEEE for fp32 summaries, not TF32): memory-bound like a single sum, where
-   per-head elementwise FMAs would cost G times the raw sum's arithmetic. Kept pages (sink,
-   local window) and the partial last page are not scored: their summaries are never read.
+   per-head elementwise FMAs would cost G times the raw sum's arithmetic. Every full page is
+   bounded (the kept ones too: they enter the normalisation); the partial last page, whose
+   summary is not built yet, is not read.
 2. Normalisation. ``x_g = u_g * D**-0.5 * log2(e)`` is written to a ``[G, W]`` fp32 scratch row
-   while an online max / sum-of-exp2 per head runs over the scored pages (as flash attention
+   while an online max / sum-of-exp2 per head runs over the full pages (as flash attention
    does), giving ``lse_g``. Split mode keeps one partial (max, sum) per split program and the
    select launch merges them.
 3. Keys. ``mass = sum_g exp2(x_g - lse_g)`` (each head's estimated attention distribution over
-   the scored pages, summed over the group); mass >= 0, so its float bits are an
+   the full pages, summed over the group); mass >= 0, so its float bits are an
    order-preserving int32 key. Kept pages get INT_MAX, the last page and entries past
    ``num_pages`` INT_MIN.
 4. Threshold. Binary search over the 2^32 key values for T = the k-th largest key
@@ -61,7 +62,8 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _row_keys(s_row, stride_sg, offs, n, sink, local, lse, G: tl.constexpr, GP: tl.constexpr):
     """int32 keys [TILE] of entries ``offs``: mass bits for scored pages, INT_MAX kept, INT_MIN
-    for the last page and entries past n. lse [GP]: per-head log2-sum-exp2 of the row."""
+    for the last page and entries past n. lse [GP]: per-head log2-sum-exp2 over the row's
+    full pages."""
     offs_g = tl.arange(0, GP)
     cand = offs < n - 1  # the last page is appended separately
     kept = cand & ((offs < sink) | (offs >= n - local))
@@ -116,9 +118,7 @@ def _page_select_kernel(
         c1 = tl.minimum(c0 + chunks_per_split, tl.cdiv(W, BLOCK_W))
         for c in range(c0, c1):
             offs_w = c * BLOCK_W + tl.arange(0, BLOCK_W)
-            cand = offs_w < n - 1
-            kept = cand & ((offs_w < sink) | (offs_w >= n - local))
-            need = cand & (~kept)  # kept pages need no score: skip their summary reads
+            need = offs_w < n - 1  # full pages, kept ones included (they normalise too)
             page = tl.load(pt_row + offs_w, mask=need, other=0).to(tl.int64)
             m2 = need[:, None] & d_ok[None, :]
             hi = tl.load(kmax_ptr + page[:, None] * stride_max + offs_d[None, :], mask=m2,

@@ -173,17 +173,19 @@ def head_bounds(q, kmin, kmax, page_table, num_pages):
     return u.masked_fill(~ok.unsqueeze(2), float("-inf"))
 
 
-def mass_from_bounds(bounds, num_pages, sink_pages, local_pages, scale, out=None):
+def mass_from_bounds(bounds, num_pages, sink_pages, local_pages, scale, out=None,
+                     normalise_kept=True):
     """Estimated attention mass of each page, from per-query-head logit bounds.
 
-    Per query head g, a softmax at the attention scale over the row's *scored* pages (neither
-    kept — first ``sink_pages``, last ``local_pages`` — nor the partial last page), summed over
-    the group's G heads: ``mass[w] = sum_g exp(scale * bounds[g, w] - lse_g)``, ``lse_g`` the
-    log-sum-exp of ``scale * bounds[g, :]`` over the scored pages. Each head thus contributes a
-    distribution of total 1 over the candidates, so a head whose bounds single out one page is
-    not drowned by heads with large but flat bounds (what a raw sum over heads does).
-    The kept pages are selected anyway and the partial last page's summary is not built yet,
-    so they stay out of the normalisation; they score +inf (selected whatever the score).
+    Per query head g, a softmax at the attention scale over the row's full pages (every page
+    but the partial last one, whose summary is not built yet), summed over the group's G heads:
+    ``mass[w] = sum_g exp(scale * bounds[g, w] - lse_g)``, ``lse_g`` the log-sum-exp of
+    ``scale * bounds[g, :]`` over the full pages. Each head thus spends a total of 1, so a head
+    whose bounds single out one page is not drowned by heads with large but flat bounds (what a
+    raw sum over heads does), and a head that puts its mass on the always-kept pages (sink,
+    local window: normalised over, selected anyway) weighs little in the choice of the others
+    — as in the true attention mass that ``oracle`` ranks by. Measured against normalising
+    over the scored pages only (``normalise_kept=False``) in docs/results/fidelity.md.
 
     Args:
         bounds:    [B, Hkv, G, W] float32  per-head bounds (``head_bounds``), -inf past num_pages
@@ -191,23 +193,26 @@ def mass_from_bounds(bounds, num_pages, sink_pages, local_pages, scale, out=None
         sink_pages, local_pages: ints      the always-kept pages
         scale:     float                   softmax scale (head_dim ** -0.5, the attention's)
         out:       [B, Hkv, W] float32 or None (written in place if given)
+        normalise_kept: False = the softmax runs over the scored pages only (evaluation variant)
     Returns:
-        mass: [B, Hkv, W] float32 in [0, G] for scored pages, +inf for kept pages and the last
-        page, -inf for entries w >= num_pages[b, h].
+        mass: [B, Hkv, W] float32 in [0, G] for scored pages (neither kept nor the last page),
+        +inf for kept pages and the last page (selected whatever the score), -inf for entries
+        w >= num_pages[b, h].
     """
     W = bounds.shape[-1]
     n = num_pages.to(torch.long).unsqueeze(-1)                                 # [B, Hkv, 1]
     blk = torch.arange(W, device=bounds.device).view(1, 1, W)
-    valid = blk < n
-    scored = (blk >= sink_pages) & (blk < n - local_pages) & (blk < n - 1)     # [B, Hkv, W]
+    full = blk < n - 1
+    scored = full & (blk >= sink_pages) & (blk < n - local_pages)             # [B, Hkv, W]
+    norm = full if normalise_kept else scored
     x = bounds.float() * scale                                                 # [B, Hkv, G, W]
-    xs = x.masked_fill(~scored.unsqueeze(2), float("-inf"))
+    xs = x.masked_fill(~norm.unsqueeze(2), float("-inf"))
     m = xs.amax(dim=-1, keepdim=True)                                          # [B, Hkv, G, 1]
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # no scored page: any finite m
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # no full page: any finite m
     lse = m + torch.log(torch.exp(xs - m).sum(dim=-1, keepdim=True))
     mass = torch.exp(xs - lse).sum(dim=2)                                      # [B, Hkv, W]
     mass = torch.where(scored, mass, float("inf"))
-    mass = mass.masked_fill(~valid, float("-inf"))
+    mass = mass.masked_fill(blk >= n, float("-inf"))
     if out is None:
         return mass
     out.copy_(mass)

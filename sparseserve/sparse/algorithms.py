@@ -25,10 +25,10 @@ class Dense(SparseAlgorithm):
 class Quest(SparseAlgorithm):
     """Per-channel key min/max; per query head g the bound u_g = sum_c max(q_gc M_c, q_gc m_c)
     of q_g·k over the page. A page's score is its estimated attention mass summed over the GQA
-    group: sum_g softmax_w(u_g * D**-0.5) over the row's scored pages (``ref.mass_from_bounds``;
-    kept pages and the partial last page stay out of the normalisation). Each head thus spends
-    a total of 1 on the candidates, so one head that singles out a page is not drowned by the
-    group's other heads' large, flat bounds, as it is when raw bounds are summed (measured in
+    group: sum_g softmax_w(u_g * D**-0.5) over the row's full pages (``ref.mass_from_bounds``;
+    the kept pages are in the normalisation, the partial last page is not). Each head thus
+    spends a total of 1, so one head that singles out a page is not drowned by the group's
+    other heads' large, flat bounds, as it is when raw bounds are summed (measured in
     docs/results/fidelity.md; the raw sum is kept as the ``quest-sum`` evaluation variant)."""
 
     summary_names = ("kmin", "kmax")

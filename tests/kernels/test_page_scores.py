@@ -100,9 +100,10 @@ def test_scores_topk_and_dispatch():
 @pytest.mark.parametrize("Hq,Hkv", [(6, 2), (8, 2), (4, 4)])  # GQA groups 3, 4 and MHA
 def test_per_head_bounds_and_page_mass(Hq, Hkv):
     """per_head: each head's bound (the literal formula with G = 1 per head); page_mass (Quest's
-    score): softmax per head over the scored pages (not sink / local / last), summed over the
-    group -> sums to G per row, +inf on kept / last pages, -inf past num_pages; the dispatched
-    bounds (Triton per-head kernel / torch) give the same masses."""
+    score): softmax per head over the full pages (kept ones too, not the partial last page),
+    summed over the group, on the scored pages; +inf on kept / last pages, -inf past
+    num_pages; the variant normalising over the scored pages only sums to G per row; the
+    dispatched bounds (Triton per-head kernel / torch) give the same masses."""
     gen = torch.Generator().manual_seed(Hq * 10 + Hkv)
     D, ps, sink, local = 32, 16, 1, 2
     q, kmin, kmax, krad, table, npg = _case([1, 17, 54, 97, 300], Hq, Hkv, D, ps, gen)
@@ -120,13 +121,21 @@ def test_per_head_bounds_and_page_mass(Hq, Hkv):
     blk = torch.arange(W).view(1, 1, W)
     n = npg.long().unsqueeze(-1)
     scored = (blk >= sink) & (blk < n - local) & (blk < n - 1)
-    x = (heads * D ** -0.5).masked_fill(~scored.unsqueeze(2), float("-inf"))
-    want = torch.softmax(x, dim=-1).nan_to_num(0.0).sum(2)
-    torch.testing.assert_close(mass.masked_fill(~scored, 0).double(),
-                               want.masked_fill(~scored, 0), rtol=1e-4, atol=1e-6)
+    for kept_too in (True, False):
+        norm = (blk < n - 1) if kept_too else scored
+        x = (heads * D ** -0.5).masked_fill(~norm.unsqueeze(2), float("-inf"))
+        want = torch.softmax(x, dim=-1).nan_to_num(0.0).sum(2)
+        got = ref.mass_from_bounds(heads.float(), npg, sink, local, D ** -0.5,
+                                   normalise_kept=kept_too)
+        torch.testing.assert_close(got.masked_fill(~scored, 0).double(),
+                                   want.masked_fill(~scored, 0), rtol=1e-4, atol=1e-6)
     has = scored.any(-1)
-    torch.testing.assert_close(mass.masked_fill(~scored, 0).sum(-1)[has],
-                               torch.full_like(mass[..., 0][has], float(G)))
+    torch.testing.assert_close(got.masked_fill(~scored, 0).sum(-1)[has],
+                               torch.full_like(got[..., 0][has], float(G)))
+    x = (heads * D ** -0.5).masked_fill(~(blk < n - 1).unsqueeze(2), float("-inf"))
+    torch.testing.assert_close(mass.masked_fill(~scored, 0).double(),
+                               torch.softmax(x, -1).nan_to_num(0.0).sum(2).masked_fill(~scored, 0),
+                               rtol=1e-4, atol=1e-6)
     assert torch.isinf(mass[(blk < n) & ~scored]).all() and (mass[(blk < n) & ~scored] > 0).all()
     assert (mass[blk >= n] == float("-inf")).all()
     for backend in ("torch", "triton"):  # the generic path: dispatched bounds, then the mass

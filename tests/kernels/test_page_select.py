@@ -51,7 +51,8 @@ def _case(npages, Hq, Hkv, D, W, gen, kind):
 
 def _mass64(q, kmin, kmax, table, num, sink, local):
     """[B, Hkv, W] float64 masses of the scored pages (the literal per-head bound, a softmax
-    per head over the scored pages, summed over the group); -inf elsewhere."""
+    per head over the full pages — kept ones included, not the last —, summed over the
+    group); -inf elsewhere."""
     B, Hq, D = q.shape
     _, Hkv, W = table.shape
     G = Hq // Hkv
@@ -62,7 +63,7 @@ def _mass64(q, kmin, kmax, table, num, sink, local):
     hi, lo = kmax[ids].double(), kmin[ids].double()                    # [B, Hkv, W, D]
     qg = q.double().view(B, Hkv, G, 1, D)
     u = torch.maximum(qg * hi.unsqueeze(2), qg * lo.unsqueeze(2)).sum(-1)  # [B, Hkv, G, W]
-    x = (u * D ** -0.5).masked_fill(~scored.unsqueeze(2), float("-inf"))
+    x = (u * D ** -0.5).masked_fill(~(blk < n - 1).unsqueeze(2), float("-inf"))
     mass = torch.softmax(x, dim=-1).nan_to_num(0.0).sum(2)
     return mass.masked_fill(~scored, float("-inf"))
 
