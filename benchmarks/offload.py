@@ -25,11 +25,9 @@ decode   Batches of B requests: prefill them (chunks of 16384), a few warm-up de
          Default batches: 8 x 32k and 32 x 8k. 32 x 32k of Llama-3-8B KV is 128 GiB, more than
          the host's RAM, so batch 32 runs at 8k (or --decode-configs 32x16384: 64 GiB pinned).
 
-Host memory: PyTorch's pinned allocator rounds each allocation up to a power of two and the
-engine allocates every layer's K and V host tensors with one scratch page on top of the
-requested pages; a context of exactly 32768 (or 8192) tokens would therefore pin twice the KV.
-Decode contexts are trimmed by one page (32736 / 8160 tokens) where that halves the pinned
-memory; every decision is recorded in the JSON ("notes", "pinned_gib").
+Host memory: the engine registers its host tier with CUDA at its exact size (one scratch page
+on top, each (request, KV head) in whole chunks of pages); runs that would pin more than the
+host allows are skipped and recorded in the JSON ("notes", "pinned_gib").
 
 Writes DIR/offload.json (rewritten after every run, so a run cut short keeps what it measured),
 DIR/offload.png, and prints a table last. A wall-clock budget (--time-budget-s) skips runs that
@@ -69,13 +67,12 @@ def log(deadline: C.Deadline, msg: str) -> None:
 class Shape:
     """Byte sizes of the model's KV at a page size (the engine's units)."""
 
-    def __init__(self, cfg: dict, dtype_bytes: int, page_size: int, pinned_pow2: bool) -> None:
+    def __init__(self, cfg: dict, dtype_bytes: int, page_size: int) -> None:
         self.layers = int(cfg["num_hidden_layers"])
         self.kv_heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
         self.head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
         self.dtype_bytes = dtype_bytes
         self.page_size = page_size
-        self.pinned_pow2 = pinned_pow2  # CUDA: the caching host allocator rounds to 2^k
         # one page id covers every layer: what kv_cache_memory_bytes / kv_offloading_size count
         self.page_bytes = 2 * self.layers * page_size * self.head_dim * dtype_bytes
         # K+V of one page in one layer: what a load moves
@@ -102,11 +99,8 @@ class Shape:
 
     def pinned_bytes(self, num_ids: int) -> int:
         """Host bytes the engine pins for `num_ids` host pages: per layer a K and a V tensor
-        of num_ids + 1 (scratch) pages, each rounded up to a power of two on CUDA."""
-        per = (num_ids + 1) * self.page_size * self.head_dim * self.dtype_bytes
-        if self.pinned_pow2:
-            per = 1 << (per - 1).bit_length()
-        return 2 * self.layers * per
+        of num_ids + 1 (scratch) pages (registered at their exact size: TwoTierCache)."""
+        return 2 * self.layers * (num_ids + 1) * self.page_size * self.head_dim * self.dtype_bytes
 
 
 def meminfo() -> dict:
@@ -161,8 +155,7 @@ class Bench:
         self.args, self.model, self.cfg = args, model, cfg
         self.device, self.dtype = device, dtype
         self.deadline, self.result, self.out_path = deadline, result, out_path
-        self.shape = Shape(cfg, 2 if dtype in ("bfloat16", "float16") else 4, args.page_size,
-                           pinned_pow2=device == "cuda")
+        self.shape = Shape(cfg, 2 if dtype in ("bfloat16", "float16") else 4, args.page_size)
         self.vocab = int(cfg["vocab_size"])
         # time estimates (generous until measured) for skipping what would not fit
         self.loads: list[float] = []
@@ -511,14 +504,10 @@ def parse_fractions(text: str) -> list:
 
 
 def decode_plan(b: Bench, batch: int, context: int) -> dict:
-    """Sizes for one batch x context: the max_model_len (trimmed by a page if that halves the
-    pinned host tier), the prompt length (room for the tokens early requests decode while the
-    others prefill, plus warm-up and timed steps), full and mandatory slots."""
+    """Sizes for one batch x context: the prompt length (room for the tokens early requests
+    decode while the others prefill, plus warm-up and timed steps), full and mandatory slots."""
     a, sh = b.args, b.shape
-    max_len, trimmed = context, False
-    if sh.pinned_bytes(sh.ids(batch, context)) > \
-            1.5 * sh.pinned_bytes(sh.ids(batch, context - a.page_size)):
-        max_len, trimmed = context - a.page_size, True
+    max_len = context
     M = a.decode_chunk
     prefill_steps = -(-batch * max_len // max(1, M - batch)) + 2
     room = prefill_steps + a.decode_warmup + a.decode_steps + 4
@@ -529,7 +518,7 @@ def decode_plan(b: Bench, batch: int, context: int) -> dict:
     full = sh.ids(batch, max_len)  # slots per layer for every page of every request
     mandatory = batch * sh.kv_heads * (a.token_budget // a.page_size)
     return {"batch": batch, "context_nominal": context, "max_model_len": max_len,
-            "context_trimmed_for_pinned_pow2": trimmed, "prompt_len": prompt,
+            "prompt_len": prompt,
             "decode_room_tokens": room, "max_num_batched_tokens": M,
             "full_slots_per_layer": full, "mandatory_slots_per_layer": mandatory,
             "mandatory_fraction": mandatory / full,
@@ -1076,8 +1065,7 @@ def main(argv=None) -> int:
                            "head_dim": sh.head_dim, "page_bytes_all_layers": sh.page_bytes,
                            "layer_page_bytes": sh.layer_page_bytes,
                            "kv_bytes_per_token": sh.kv_bytes_per_token,
-                           "weight_gib": sh.weight_bytes / GiB,
-                           "pinned_rounds_to_pow2": sh.pinned_pow2}
+                           "weight_gib": sh.weight_bytes / GiB}
         plans = []
         if "decode" in parts:
             for batch, ctx in decode_cfgs:
@@ -1089,13 +1077,6 @@ def main(argv=None) -> int:
                 plan["key"] = f"b{batch}_ctx{plan['max_model_len']}"
                 result["decode"]["configs"][plan["key"]] = {"plan": plan, "runs": {}}
                 plans.append(plan)
-                if plan["context_trimmed_for_pinned_pow2"]:
-                    result["notes"].append(
-                        f"batch {batch}: max_model_len {plan['max_model_len']} instead of {ctx}: "
-                        f"{ctx} tokens need {sh.ids(batch, ctx)} host pages + 1 scratch, which "
-                        f"the pinned allocator rounds to "
-                        f"{sh.pinned_bytes(sh.ids(batch, ctx)) / GiB:.1f} GiB; one page less "
-                        f"pins {plan['host_pinned_gib']:.1f} GiB")
                 kv = ctx * batch * sh.kv_bytes_per_token
                 result["notes"].append(
                     f"batch {batch} x {plan['max_model_len']}: {kv / GiB:.1f} GiB of KV "
