@@ -27,15 +27,20 @@ def copy_rate(threads: int, mib: int, reps: int) -> float:
     n = mib << 20
     src = [np.ones(n, np.uint8) for _ in range(threads)]
     dst = [np.zeros(n, np.uint8) for _ in range(threads)]
+    return best_rate([(np.copyto, (d, s)) for d, s in zip(dst, src)], threads * n, reps)
+
+
+def best_rate(jobs, nbytes: int, reps: int) -> float:
+    """Best GB/s over reps of running every (fn, args) job in its own thread at once."""
     best = 0.0
     for _ in range(reps):
-        ts = [threading.Thread(target=np.copyto, args=(d, s)) for d, s in zip(dst, src)]
+        ts = [threading.Thread(target=fn, args=args) for fn, args in jobs]
         t0 = time.perf_counter()
         for t in ts:
             t.start()
         for t in ts:
             t.join()
-        best = max(best, threads * n / (time.perf_counter() - t0) / 1e9)
+        best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
     return best
 
 
@@ -52,16 +57,8 @@ def scatter_rate(threads: int, mib: int, reps: int, pinned: bool) -> float:
     rng = np.random.default_rng(0)
     perm = rng.permutation(2 * n * threads)
     idx = [perm[i * n:(i + 1) * n] for i in range(threads)]  # disjoint pages per thread
-    best = 0.0
-    for _ in range(reps):
-        ts = [threading.Thread(target=tier.__setitem__, args=(i, s)) for i, s in zip(idx, stage)]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        best = max(best, threads * n * page / (time.perf_counter() - t0) / 1e9)
-    return best
+    return best_rate([(tier.__setitem__, (i, s)) for i, s in zip(idx, stage)],
+                     threads * n * page, reps)
 
 
 def main(argv=None) -> int:
