@@ -26,7 +26,7 @@ import common as C  # noqa: E402
 def copy_rate(threads: int, mib: int, reps: int) -> float:
     n = mib << 20
     src = [np.ones(n, np.uint8) for _ in range(threads)]
-    dst = [np.zeros(n, np.uint8) for _ in range(threads)]
+    dst = [np.full(n, 0, np.uint8) for _ in range(threads)]  # touched: no first-touch faults
     return best_rate([(np.copyto, (d, s)) for d, s in zip(dst, src)], threads * n, reps)
 
 
