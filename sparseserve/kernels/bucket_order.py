@@ -41,11 +41,17 @@ def bucket_order(key: torch.Tensor, num_keys: int) -> torch.Tensor:
     n = key.shape[0]
     key = key.to(torch.int32).contiguous()
     counts = torch.zeros(num_keys, dtype=torch.int32, device=key.device)
-    grid = (triton.cdiv(n, BLOCK),)
-    _count_kernel[grid](key, counts, n, BLOCK=BLOCK)
+    _count_kernel[(triton.cdiv(n, BLOCK),)](key, counts, n, BLOCK=BLOCK)
+    return place_by_key(key, counts)
+
+
+def place_by_key(key: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Second half of bucket_order: key [S] int32, counts [num_keys] int32 (slots per key)
+    -> [S] int64 indices, highest key first."""
+    n = key.shape[0]
     # first position of each key when keys are laid out from the highest down
     above = torch.flip(torch.cumsum(torch.flip(counts, [0]), 0), [0]) - counts
     cursor = above.to(torch.int32)
     out = torch.empty(n, dtype=torch.int64, device=key.device)
-    _place_kernel[grid](key, cursor, out, n, BLOCK=BLOCK)
+    _place_kernel[(triton.cdiv(n, BLOCK),)](key, cursor, out, n, BLOCK=BLOCK)
     return out

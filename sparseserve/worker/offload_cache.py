@@ -76,8 +76,7 @@ class TwoTierCache:
         self.row_quota = torch.full((num_rows + 1,), self.num_slots, dtype=torch.long,
                                     device=device)
         self.step = torch.zeros((), dtype=torch.long, device=device)
-        self.hits = torch.zeros((), dtype=torch.long, device=device)
-        self.misses = torch.zeros((), dtype=torch.long, device=device)
+        self.hit_miss = torch.zeros(2, dtype=torch.long, device=device)  # [hits, misses]
         self.loader = PageLoader(cache.h2d_method)
         self.saver = make_saver(cache.d2h_method, self.host_k, self.host_v)
         self._last_ticket = 0
@@ -148,12 +147,38 @@ class TwoTierCache:
             hv[pages, offsets] = v
 
     # ---- retrieve -------------------------------------------------------------------------
-    def retrieve(self, layer: int, pages: torch.Tensor, valid: torch.Tensor,
+    def retrieve(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor,
                  rows: torch.Tensor) -> torch.Tensor:
         """Map selected host pages to device slots, loading the misses.
 
-        pages [B, Hkv, K] host page ids; valid [B, Hkv, K] bool (entries in the selection);
-        rows [B] batch rows. Returns slots [B, Hkv, K] (scratch slot where not valid)."""
+        pages [B, Hkv, K] host page ids; num_sel [B, Hkv] int (valid entries of each row of
+        the selection); rows [B] batch rows. Returns slots [B, Hkv, K] (scratch slot where
+        not valid). On a GPU the bookkeeping is fused (kernels/retrieve.py); the torch
+        version below is the CPU path and the reference."""
+        if pages.is_cuda:
+            return self._retrieve_fused(layer, pages, num_sel, rows)
+        K = pages.shape[2]
+        valid = torch.arange(K, device=pages.device).view(1, 1, K) < num_sel.unsqueeze(-1)
+        return self._retrieve_torch(layer, pages, valid, rows)
+
+    def _retrieve_fused(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor,
+                        rows: torch.Tensor) -> torch.Tensor:
+        """retrieve with the fused kernels (GPU; CPU tensors run them in the interpreter)."""
+        from sparseserve.kernels.retrieve import fused_retrieve
+        from sparseserve.kvcache.eviction import NUM_BUCKETS
+        backend = "triton"  # also on CPU tensors (tests, in the interpreter)
+        slots, load_src = fused_retrieve(
+            pages, num_sel, rows, self.res_table[layer], self.page_of[layer],
+            self.last_access[layer], self.owner[layer], self.row_quota, self.step,
+            self.hit_miss, self.scratch_page, self.scratch_slot, self.policy, NUM_BUCKETS)
+        residency_hash.rebuild(self.res_table[layer], self.page_of[layer], backend=backend)
+        self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
+                         self.dev_v[layer], load_src, slots.view(-1))
+        return slots
+
+    def _retrieve_torch(self, layer: int, pages: torch.Tensor, valid: torch.Tensor,
+                        rows: torch.Tensor) -> torch.Tensor:
+        """retrieve with torch ops; valid [B, Hkv, K] bool."""
         shape = pages.shape
         pages = torch.where(valid, pages.long(), self.scratch_page).reshape(-1)
         valid = valid.reshape(-1)
@@ -163,8 +188,8 @@ class TwoTierCache:
         slots = self.slot_of(layer, pages)
         hit = valid & (slots >= 0)
         miss = valid & (slots < 0)
-        self.hits += (hit & (pages != self.scratch_page)).sum()
-        self.misses += miss.sum()
+        self.hit_miss.add_(torch.stack([(hit & (pages != self.scratch_page)).sum(),
+                                        miss.sum()]))
         # touch hits first so they cannot become victims
         last.index_put_((torch.where(hit, slots, self.scratch_slot),), self.step.expand(
             slots.shape))
@@ -203,7 +228,8 @@ class TwoTierCache:
         """Counters (reads device values: call when collecting metrics, not per layer)."""
         saved = self.saver.stats()
         loaded = self.loader.stats()
-        return {"cache_hits_total": int(self.hits), "cache_misses_total": int(self.misses),
+        hits, misses = self.hit_miss.tolist()
+        return {"cache_hits_total": hits, "cache_misses_total": misses,
                 "bytes_loaded_total": loaded.bytes,
                 "bytes_saved_total": saved.bytes + int(self.direct_bytes_saved),
                 "pages_loaded_total": loaded.pages,

@@ -56,9 +56,7 @@ class OffloadForwardContext(ForwardContext):
                                            self.dec_last_len, summaries, None)
         if self.on_select is not None:
             self.on_select(layer, q, sel, self)
-        K = sel.page_table.shape[2]
-        valid = torch.arange(K, device=q.device).view(1, 1, K) < sel.num_pages.unsqueeze(-1)
-        slots = cache.retrieve(layer, sel.page_table, valid, self.dec_rows)
+        slots = cache.retrieve(layer, sel.page_table, sel.num_pages, self.dec_rows)
         # the token's page is the selection's last entry, now resident
         last_slot = slots.gather(2, (sel.num_pages.long() - 1).unsqueeze(-1))[..., 0]  # [B, Hkv]
         dev_k, dev_v = cache.dev_k[layer], cache.dev_v[layer]
