@@ -1,6 +1,7 @@
 """Shared helpers for benchmark scripts: environment/GPU description, timing that respects
-CUDA's asynchrony, summary statistics, a wall-clock budget, the Hugging Face transformers
-baseline (random-weight model + timed `generate`), JSON results and a text table.
+CUDA's asynchrony, CUDA graph capture, summary statistics, a wall-clock budget, device and
+pinned host memory release, JSON results, a text table, matplotlib figures, and the model
+selection of the engine benchmarks.
 
 Every benchmark writes one JSON file holding its numbers plus `meta()`: the exact command,
 the date, the hardware and the library versions, so a result can be traced to its run.
@@ -199,6 +200,25 @@ class Deadline:
         return self.remaining() <= reserve_s
 
 
+def capture_graph(fn: Any, warmup: int = 2) -> Any:
+    """A CUDA graph of fn() (warmed up `warmup` times on a side stream first, as torch
+    recommends); replay it with `.replay()`."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
 # ---- memory ---------------------------------------------------------------------------------
 def free_device_memory() -> dict[str, float] | None:
     """Collect garbage and return cached CUDA blocks; -> memory still in use (GiB), or None on
@@ -214,6 +234,23 @@ def free_device_memory() -> dict[str, float] | None:
     return {"allocated_gib": torch.cuda.memory_allocated() / 2**30,
             "reserved_gib": torch.cuda.memory_reserved() / 2**30,
             "free_gib": free / 2**30, "total_gib": total / 2**30}
+
+
+def empty_host_cache() -> bool:
+    """Return cached pinned host blocks to the OS (they stay pinned after the tensors that
+    used them are freed); -> whether it ran (False on a CPU-only machine)."""
+    import torch
+
+    fn = getattr(torch._C, "_host_emptyCache", None)
+    if fn is None or not torch.cuda.is_available():
+        return False
+    try:
+        gc.collect()
+        torch.cuda.synchronize()
+        fn()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
 
 
 @contextmanager
@@ -243,57 +280,6 @@ def error_record(exc: BaseException) -> dict[str, str]:
 
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": tb[-4000:]}
-
-
-# ---- Hugging Face transformers baseline ----------------------------------------------------
-def hf_load(cfg: dict, device: str, dtype: str, max_len: int):
-    """A transformers causal LM with random weights from a config.json-style dict (SDPA
-    attention, `dtype` e.g. "bfloat16"), built directly on `device`; max_position_embeddings
-    is raised to `max_len` where needed (the default RoPE does not depend on it)."""
-    import torch
-    import transformers
-
-    d = copy.deepcopy(cfg)
-    d["max_position_embeddings"] = max(int(d.get("max_position_embeddings", 0)), max_len)
-    model_type = d.pop("model_type", "llama")
-    hf_cfg = transformers.AutoConfig.for_model(model_type, **d)
-    dtype = getattr(torch, dtype)
-    torch.manual_seed(0)
-    with torch.device(device):
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(
-                hf_cfg, dtype=dtype, attn_implementation="sdpa")
-        except TypeError:  # older transformers: torch_dtype
-            model = transformers.AutoModelForCausalLM.from_config(
-                hf_cfg, torch_dtype=dtype, attn_implementation="sdpa")
-    return model.to(device=device, dtype=dtype).eval()
-
-
-def hf_generate(model, prompts: Any, output_len: int, batch: int, device: str,
-                compile_: bool, max_time: float) -> dict:
-    """transformers `generate` over `prompts` [n, p] in batches of `batch`: static cache,
-    greedy, exactly `output_len` new tokens (min_new_tokens), torch.compile off unless
-    `compile_`; `max_time` caps each call. Timed with the device synchronised."""
-    import torch
-
-    n, p = prompts.shape
-    eos = model.config.eos_token_id
-    pad = eos[0] if isinstance(eos, (list, tuple)) else (eos if eos is not None else 0)
-    kw = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-              cache_implementation="static", pad_token_id=pad, max_time=max_time)
-    if not compile_:
-        kw["disable_compile"] = True
-    new = 0
-    with Timer(device) as t:
-        for i in range(0, n, batch):
-            ids = torch.as_tensor(prompts[i:i + batch], device=device)
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
-            new += (out.shape[1] - p) * out.shape[0]
-            del out, ids
-    return {"wall_s": t.wall_s, "prompt_tokens": n * p, "output_tokens": int(new),
-            "total_tokens_per_s": (n * p + new) / t.wall_s,
-            "output_tokens_per_s": new / t.wall_s, "requests_per_s": n / t.wall_s,
-            "all_full_length": new == n * output_len}
 
 
 # ---- output ---------------------------------------------------------------------------------
@@ -346,6 +332,25 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     out = [line(cells[0]), "  ".join("-" * w for w in widths)]
     out += [line(r) for r in cells[1:]]
     return "\n".join(out)
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (the GPU machines have no display)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: str) -> str:
+    """Lay out, write (120 dpi) and close a figure; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 # ---- model selection shared by the engine benchmarks ----------------------------------------

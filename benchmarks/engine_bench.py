@@ -1,0 +1,99 @@
+"""Helpers shared by the benchmarks that drive the whole engine (offline_throughput.py,
+offload.py): the --only part list and the device choice, the progress log and error records,
+random prompts, and what their decode-step timing needs from the engine (the pure-decode
+check, runner.execute wall times, the captured CUDA graph sizes).
+
+Nothing here imports sparseserve; the engine objects are passed in.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import common as C
+
+
+# ---- arguments ------------------------------------------------------------------------------
+def split_list(text: str) -> list[str]:
+    """A comma list of names, blanks dropped: "a, b,," -> ["a", "b"]."""
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def parse_parts(text: str, parts: Sequence[str]) -> list[str]:
+    """--only: the parts to run, each one of `parts` (SystemExit otherwise)."""
+    chosen = split_list(text)
+    bad = [s for s in chosen if s not in parts]
+    if bad or not chosen:
+        raise SystemExit(f"--only: unknown part(s) {bad}; choose from {','.join(parts)}")
+    return chosen
+
+
+def device_and_dtype(args) -> tuple[str, str]:
+    """--device (default: cuda if present, cpu with --smoke) and its dtype (bf16 on cuda)."""
+    import torch
+
+    device = args.device or ("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    return device, "bfloat16" if device == "cuda" else "float32"
+
+
+# ---- progress and errors --------------------------------------------------------------------
+def log(deadline: C.Deadline, msg: str) -> None:
+    print(f"[{deadline.elapsed():7.1f}s] {msg}", flush=True)
+
+
+def fail(deadline: C.Deadline, result: dict, part: str, exc: BaseException) -> dict:
+    """Log a failed part and add it to result["errors"]; -> its error record."""
+    rec = C.error_record(exc)
+    log(deadline, f"  {part} FAILED: {rec['error'][:300]}")
+    result["errors"].append({"part": part, **rec})
+    return rec
+
+
+def errors_line(errors: list[dict]) -> str:
+    """The last line of a summary table: every error, shortened."""
+    return "errors: " + "; ".join(f"{e['part']}: {e['error'][:120]}" for e in errors)
+
+
+# ---- engine steps ---------------------------------------------------------------------------
+def prompt_ids(rng: Any, n: int, vocab: int) -> list[int]:
+    """n random token ids (numpy Generator `rng`)."""
+    return rng.integers(0, vocab, n).tolist()
+
+
+def pure_decode(sched, batch: int) -> bool | None:
+    """Every one of `batch` running requests decodes one token this step (none waiting, none
+    prefilling a chunk or a layer segment); None if the scheduler changed shape and this
+    cannot be verified."""
+    try:
+        return (not sched.waiting and len(sched.running) == batch and all(
+            r.num_tokens - r.num_computed_tokens == 1 and getattr(r, "prefill_layer", 0) == 0
+            for r in sched.running))
+    except AttributeError:
+        return None
+
+
+class ExecuteTimer:
+    """Wall time of each runner.execute call while installed: an instance attribute that
+    shadows the method, so removing it restores the runner exactly."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.times: list[float] = []
+        self._original = runner.execute
+
+    def _timed(self, out):
+        t = time.perf_counter()
+        r = self._original(out)
+        self.times.append(time.perf_counter() - t)
+        return r
+
+    def install(self) -> None:
+        self.runner.execute = self._timed
+
+    def remove(self) -> None:
+        self.runner.__dict__.pop("execute", None)
+
+
+def graph_batch_sizes(graphs) -> list[int] | None:
+    """Batch sizes of the decode CUDA graphs a runner captured (None: it runs eagerly)."""
+    return list(getattr(graphs, "sizes", None) or []) if graphs is not None else None
