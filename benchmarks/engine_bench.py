@@ -19,6 +19,18 @@ def split_list(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
 
 
+def add_run_args(p, out_help: str, parts: Sequence[str]) -> None:
+    """The arguments every engine benchmark takes: --out, --smoke, --only (of `parts`, all by
+    default), --model, --device, --seed."""
+    p.add_argument("--out", required=True, help=out_help)
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, tiny workloads")
+    p.add_argument("--only", default=",".join(parts), help=f"comma list of {', '.join(parts)}")
+    p.add_argument("--model", default=None, help="built-in dummy config or HF dir (config only)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present; "
+                                                  "cpu with --smoke)")
+    p.add_argument("--seed", type=int, default=0)
+
+
 def parse_parts(text: str, parts: Sequence[str]) -> list[str]:
     """--only: the parts to run, each one of `parts` (SystemExit otherwise)."""
     chosen = split_list(text)
@@ -47,6 +59,15 @@ def fail(deadline: C.Deadline, result: dict, part: str, exc: BaseException) -> d
     log(deadline, f"  {part} FAILED: {rec['error'][:300]}")
     result["errors"].append({"part": part, **rec})
     return rec
+
+
+def finish(deadline: C.Deadline, result: dict, save, out_path: str, table) -> None:
+    """The end of a run: mark the result complete, write it (`save()`), then print
+    `table(result)` last."""
+    result["complete"] = True
+    save()
+    log(deadline, f"wrote {out_path}")
+    print("\n" + table(result), flush=True)
 
 
 def errors_line(errors: list[dict]) -> str:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 from dataclasses import asdict
@@ -46,14 +45,8 @@ PARTS = ("a", "b", "steps")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="directory for offline_throughput.json")
-    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, tiny workloads")
-    p.add_argument("--only", default=",".join(PARTS), help="comma list of a, b, steps")
+    E.add_run_args(p, "directory for offline_throughput.json", PARTS)
     p.add_argument("--skip-hf", action="store_true", help="no transformers comparison")
-    p.add_argument("--model", default=None, help="built-in dummy config or HF dir (config only)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present; "
-                                                  "cpu with --smoke)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="sparseserve step token budget (default 16384; 128 with --smoke)")
     p.add_argument("--decode-batches", default=None, help="default 1,8,32 (1,2,4 with --smoke)")
@@ -75,14 +68,14 @@ def main(argv=None) -> int:
     device, dtype = E.device_and_dtype(args)
     os.makedirs(args.out, exist_ok=True)
     out_path = os.path.join(args.out, "offline_throughput.json")
-    tmpdir = tempfile.mkdtemp(prefix="sparseserve-bench-")
     ws = workloads(args.smoke, args.max_num_batched_tokens)
     decode = {"batches": [int(b) for b in (args.decode_batches or
                                            ("1,2,4" if args.smoke else "1,8,32")).split(",")],
               "context": args.decode_context or (48 if args.smoke else 4096),
               "warmup": 2 if args.smoke else 5,
               "steps": args.decode_steps or (4 if args.smoke else 40)}
-    try:
+    with tempfile.TemporaryDirectory(prefix="sparseserve-bench-",
+                                     ignore_cleanup_errors=True) as tmpdir:
         model, cfg, model_name = C.resolve_model(args, tmpdir, 2048)
         setup = {"device": device, "dtype": dtype, "dtype_bytes": 4 if dtype == "float32" else 2,
                  "parts": parts, "decode": decode, "cfg": cfg}
@@ -124,12 +117,7 @@ def main(argv=None) -> int:
             else:
                 hf_part(cfg, setup, args, ws, deadline, result, save)
         finalize(result)
-        result["complete"] = True
-        save()
-        E.log(deadline, f"wrote {out_path}")
-        print("\n" + summary_table(result), flush=True)
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+        E.finish(deadline, result, save, out_path, summary_table)
     return 0
 
 

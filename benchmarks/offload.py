@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 
@@ -82,13 +81,7 @@ def parse_fractions(text: str) -> list:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="directory for offload.json and offload.png")
-    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, tiny workloads")
-    p.add_argument("--only", default=",".join(PARTS), help="comma list of prefill, decode")
-    p.add_argument("--model", default=None, help="built-in dummy config or HF dir (config only)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present; "
-                                                  "cpu with --smoke)")
-    p.add_argument("--seed", type=int, default=0)
+    E.add_run_args(p, "directory for offload.json and offload.png", PARTS)
     p.add_argument("--page-size", type=int, default=None, help="default 32 (8 with --smoke)")
     p.add_argument("--sparse-algorithm", default="arkvale")
     p.add_argument("--token-budget", type=int, default=None, help="default 2048 (32 smoke)")
@@ -167,8 +160,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)  # tiny ops: threads only add barrier stalls on a busy host
     os.makedirs(args.out, exist_ok=True)
     out_path = os.path.join(args.out, "offload.json")
-    tmpdir = tempfile.mkdtemp(prefix="sparseserve-offload-")
-    try:
+    with tempfile.TemporaryDirectory(prefix="sparseserve-offload-",
+                                     ignore_cleanup_errors=True) as tmpdir:
         model, cfg, model_name = C.resolve_model(args, tmpdir, 4096)
         decode_cfgs = parse_decode_configs(args.decode_configs)
         fractions = parse_fractions(args.cache_fractions)
@@ -229,12 +222,7 @@ def main(argv=None) -> int:
             result["plot"] = plot(result, os.path.join(args.out, "offload.png"))
         except Exception as exc:  # noqa: BLE001
             b.fail("plot", exc)
-        result["complete"] = True
-        b.save()
-        E.log(deadline, f"wrote {out_path}")
-        print("\n" + summary_table(result), flush=True)
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+        E.finish(deadline, result, b.save, out_path, summary_table)
     return 0
 
 
