@@ -76,10 +76,9 @@ def _rebuild_kernel(table_ptr, page_of_ptr, S, mask, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _lookup_kernel(table_ptr, page_of_ptr, pages_ptr, out_ptr, N, mask, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    p = tl.load(pages_ptr + i, mask=i < N, other=-1).to(tl.int64)
-    active = p >= 0
+def probe_slots(table_ptr, page_of_ptr, p, active, mask, BLOCK: tl.constexpr):
+    """Slot of page p [BLOCK] int64 for the `active` lanes (-1: not resident): probe from the
+    page's home until its slot or an empty entry."""
     pos = _hash(tl.maximum(p, 0), mask)
     res = tl.full((BLOCK,), -1, tl.int64)
     while tl.max(active.to(tl.int32), axis=0) > 0:
@@ -90,6 +89,14 @@ def _lookup_kernel(table_ptr, page_of_ptr, pages_ptr, out_ptr, N, mask, BLOCK: t
         res = tl.where(found, s.to(tl.int64), res)
         active = full & ~found
         pos = tl.where(active, (pos + 1) & mask, pos)
+    return res
+
+
+@triton.jit
+def _lookup_kernel(table_ptr, page_of_ptr, pages_ptr, out_ptr, N, mask, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    p = tl.load(pages_ptr + i, mask=i < N, other=-1).to(tl.int64)
+    res = probe_slots(table_ptr, page_of_ptr, p, p >= 0, mask, BLOCK)
     tl.store(out_ptr + i, res, mask=i < N)
 
 

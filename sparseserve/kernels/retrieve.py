@@ -24,7 +24,7 @@ import triton.language as tl
 
 from . import patch_triton_interpreter
 from .bucket_order import place_by_key
-from .residency_hash import _hash
+from .residency_hash import probe_slots
 
 patch_triton_interpreter()
 
@@ -41,18 +41,8 @@ def _probe_kernel(pages_ptr, nsel_ptr, table_ptr, page_of_ptr, last_ptr, step_pt
     valid = m & ((i % K) < n)
     p = tl.load(pages_ptr + i, mask=valid, other=-1).to(tl.int64)
     is_scratch = valid & (p == scratch_page)
-    active = valid & ~is_scratch
-    pos = _hash(tl.maximum(p, 0), mask)
-    slot = tl.full((BLOCK,), -1, tl.int64)
-    while tl.max(active.to(tl.int32), axis=0) > 0:
-        s = tl.load(table_ptr + pos, mask=active, other=-1)
-        full = active & (s >= 0)
-        key = tl.load(page_of_ptr + tl.maximum(s, 0), mask=full, other=-1)
-        found = full & (key == p)
-        slot = tl.where(found, s.to(tl.int64), slot)
-        active = full & ~found
-        pos = tl.where(active, (pos + 1) & mask, pos)
     look = valid & ~is_scratch
+    slot = probe_slots(table_ptr, page_of_ptr, p, look, mask, BLOCK)
     hit = look & (slot >= 0)
     miss = look & (slot < 0)
     step = tl.load(step_ptr)
