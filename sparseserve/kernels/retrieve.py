@@ -54,17 +54,23 @@ def _probe_kernel(pages_ptr, nsel_ptr, table_ptr, page_of_ptr, last_ptr, step_pt
 
 
 @triton.jit
-def _resident_kernel(last_ptr, owner_ptr, resident_ptr, S, BLOCK: tl.constexpr):
+def _resident_kernel(last_ptr, owner_ptr, resident_ptr, S, R, R_PAD: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """resident[r] += slots of this block owned by row r (a block histogram, then one atomic
+    per row: a few rows own most slots, so per-slot atomics would serialise)."""
     s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = s < S
     used = ok & (tl.load(last_ptr + s, mask=ok, other=-1) >= 0)
-    own = tl.load(owner_ptr + s, mask=ok, other=0)
-    tl.atomic_add(resident_ptr + own, tl.full((BLOCK,), 1, tl.int32), mask=used)
+    own = tl.load(owner_ptr + s, mask=ok, other=0).to(tl.int32)
+    h = tl.histogram(own, R_PAD, mask=used)
+    r = tl.arange(0, R_PAD)
+    tl.atomic_add(resident_ptr + r, h, mask=(r < R) & (h > 0))
 
 
 @triton.jit
 def _victim_key_kernel(last_ptr, owner_ptr, quota_ptr, resident_ptr, step_ptr, key_ptr,
-                       counts_ptr, S, NUM_BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
+                       counts_ptr, S, NUM_BUCKETS: tl.constexpr, KEYS_PAD: tl.constexpr,
+                       BLOCK: tl.constexpr):
     """key (higher = evicted earlier): 0 used this step | 1..B in quota | B+1..2B over
     quota | 2B+1 free (kvcache/eviction.py's layout), and its count."""
     s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -80,7 +86,9 @@ def _victim_key_kernel(last_ptr, owner_ptr, quota_ptr, resident_ptr, step_ptr, k
     key = tl.where(free, 2 * NUM_BUCKETS + 1, key)
     key = tl.where((age == 0) & ~free, 0, key).to(tl.int32)
     tl.store(key_ptr + s, key, mask=ok)
-    tl.atomic_add(counts_ptr + key, tl.full((BLOCK,), 1, tl.int32), mask=ok)
+    h = tl.histogram(key, KEYS_PAD, mask=ok)
+    k = tl.arange(0, KEYS_PAD)
+    tl.atomic_add(counts_ptr + k, h, mask=(k < 2 * NUM_BUCKETS + 2) & (h > 0))
 
 
 @triton.jit
@@ -108,12 +116,15 @@ def category_lru_order(last_access, owner_row, row_quota, step, num_buckets: int
     S = last_access.shape[0]
     dev = last_access.device
     grid = (triton.cdiv(S, BLOCK),)
-    resident = torch.zeros(row_quota.shape[0], dtype=torch.int32, device=dev)
-    _resident_kernel[grid](last_access, owner_row, resident, S, BLOCK=BLOCK)
+    R = row_quota.shape[0]
+    resident = torch.zeros(R, dtype=torch.int32, device=dev)
+    _resident_kernel[grid](last_access, owner_row, resident, S, R,
+                           R_PAD=triton.next_power_of_2(R), BLOCK=BLOCK)
     key = torch.empty(S, dtype=torch.int32, device=dev)
     counts = torch.zeros(2 * num_buckets + 2, dtype=torch.int32, device=dev)
     _victim_key_kernel[grid](last_access, owner_row, row_quota, resident, step, key, counts, S,
-                             NUM_BUCKETS=num_buckets, BLOCK=BLOCK)
+                             NUM_BUCKETS=num_buckets,
+                             KEYS_PAD=triton.next_power_of_2(2 * num_buckets + 2), BLOCK=BLOCK)
     return place_by_key(key, counts)
 
 

@@ -98,3 +98,24 @@ def test_fused_retrieve_matches_torch(policy, seed):
     assert torch.equal(a.last_access[0].sort().values, b.last_access[0].sort().values)
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("S", [1, 17, 97, 4097])
+def test_category_lru_order_is_a_key_sort(S):
+    """The fused victim order is a permutation with non-increasing category-LRU keys."""
+    from sparseserve.kernels.retrieve import category_lru_order
+    g = torch.Generator().manual_seed(S)
+    rows = 7
+    last = torch.randint(-1, 200, (S,), generator=g)
+    owner = torch.where(last >= 0, torch.randint(0, rows - 1, (S,), generator=g), rows - 1)
+    quota = torch.randint(0, S // 4 + 2, (rows,), generator=g)
+    step = torch.tensor(199)
+    order = category_lru_order(last, owner, quota, step, 64)
+    assert torch.equal(order.sort().values, torch.arange(S))
+    age = (step - last).clamp(min=0)
+    res = torch.zeros(rows, dtype=torch.long).scatter_add_(0, owner, (last >= 0).long())
+    over = (res > quota)[owner] & (last >= 0)
+    key = torch.where(last < 0, 129, 1 + age.clamp(max=63) + 64 * over.long())
+    key = torch.where((age == 0) & (last >= 0), 0, key)
+    k = key[order]
+    assert torch.all(k[:-1] >= k[1:])
