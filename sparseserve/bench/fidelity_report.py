@@ -96,10 +96,12 @@ def default_summary(out: dict) -> str:
     d = out.get("default")
     if not d:
         return ""
+    cost = d.get("dense_layer_cost")
+    charged = f", each dense layer charged {_p(cost)} point" if cost else ""
     lines = [f"**Chosen default:** `{d['algorithm']}` with sink_pages={d['sink_pages']}, "
              f"local_pages={d['local_pages']}, dense_layers={d['dense_layers']} "
              f"(best mean top-1 over budgets {d['budgets']} at "
-             f"{max(out['meta']['lengths'])} tokens: {_p(d['mean_top1'], 2)}%).", ""]
+             f"{max(out['meta']['lengths'])} tokens{charged}: {_p(d['mean_top1'], 2)}%).", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -129,8 +131,8 @@ def plot(out: dict, path: str, length: int | None = None) -> str:
                     linestyle="--" if a == "oracle" or a.endswith("-sum") else "-")
     d = out.get("default")
     if d:
-        rs = sorted([r for r in _rows(out, length=length, phase="default",
-                                      algorithm=d["algorithm"])],
+        knobs = {k: d[k] for k in ("algorithm", "sink_pages", "local_pages", "dense_layers")}
+        rs = sorted({r["token_budget"]: r for r in _rows(out, length=length, **knobs)}.values(),
                     key=lambda r: r["token_budget"])
         if rs:
             ax.plot([r["token_budget"] for r in rs], [100 * r["top1"] for r in rs], marker="s",

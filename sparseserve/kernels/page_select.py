@@ -55,7 +55,6 @@ NUM_SPLITS = int(os.environ.get("SPARSESERVE_SELECT_SPLITS", 0)) or None
 BLOCK_W = int(os.environ.get("SPARSESERVE_SELECT_BLOCK_W", 0)) or None
 NUM_WARPS = int(os.environ.get("SPARSESERVE_SELECT_WARPS", 0)) or None
 SPLIT_PROGRAMS_PER_SM = 2  # split mode until rows alone give this many programs per SM
-INT_MAX = 2147483647
 LOG2E = 1.4426950408889634
 
 
@@ -151,8 +150,8 @@ def _page_select_kernel(
             l_s = tl.load(mls + GP, mask=s_ok, other=0.0)
             m_run = tl.max(m_s, axis=0)
             l_run = tl.sum(l_s * tl.exp2(m_s - m_run[None, :]), axis=0)
-        # l >= 1 once a page was scored (its max adds exp2(0)); 0 = nothing scored (no key
-        # reads lse then): clamping at 1 changes nothing else and keeps lse finite
+        # l >= 1 once a full page was seen (its max adds exp2(0)); 0 = none (no key reads lse
+        # then): clamping at 1 changes nothing else and keeps lse finite
         lse = m_run + tl.log2(tl.maximum(l_run, 1.0))
         k_eff = tl.maximum(tl.minimum(k_top, n - 1), 0)
         offs_t = tl.arange(0, TILE)

@@ -114,3 +114,19 @@ def test_needle_settings_aliases_and_base_knobs():
     assert Setting("quest", 512, **BASE) in full and Setting("arkvale", 512, 2, 4, 1) in full
     some = needle_settings(default, ["quest"], [512, 2048], only=["dense", "default", "oracle"])
     assert [s.key for s in some] == ["dense", "arkvale/b2048/s2/l4/d1", "oracle/b2048/s2/l4/d1"]
+
+
+def test_choose_default_charges_dense_layers():
+    from sparseserve.bench.fidelity import DENSE_LAYER_COST, choose_default
+
+    def row(algo, s, l, d, b, top1):
+        return dict(algorithm=algo, sink_pages=s, local_pages=l, dense_layers=d,
+                    token_budget=b, top1=top1, kl=1.0 - top1)
+    rows = [row("arkvale", 1, 2, 0, b, 0.80) for b in (512, 2048)]
+    rows += [row("arkvale", 1, 2, 2, b, 0.80 + DENSE_LAYER_COST) for b in (512, 2048)]
+    rows += [row("quest", 1, 4, 0, b, 0.80) for b in (512, 2048)]  # a tie: fewer kept pages win
+    rows += [row("oracle", 1, 2, 0, b, 0.99) for b in (512, 2048)]  # not a serving candidate
+    d = choose_default(rows, [512, 2048])
+    assert (d["algorithm"], d["local_pages"], d["dense_layers"]) == ("arkvale", 2, 0)
+    rows += [row("arkvale", 1, 2, 1, b, 0.80 + 2 * DENSE_LAYER_COST) for b in (512, 2048)]
+    assert choose_default(rows, [512, 2048])["dense_layers"] == 1  # worth its cost now
