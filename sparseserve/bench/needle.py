@@ -237,9 +237,10 @@ def run_needles(args, harness: TailHarness, tok, default: dict | None, algos, lo
                                                passed=passed(tok, g, q.answer)))
             if save is not None:
                 save(dict(settings=list(rows.values()), llm_generate_checks=checks))
+            first = rows[settings[0].key]["results"][-len(hs.questions):]  # dense when run
             log(f"[needle {length}] {hs.name}: {len(settings)} settings in "
-                f"{time.perf_counter() - t0:.1f}s; dense "
-                f"{[r['output'] for r in rows['dense']['results'][-len(hs.questions):]]}")
+                f"{time.perf_counter() - t0:.1f}s; {settings[0].key} "
+                f"{[r['output'] for r in first]}")
             if args.verify_needle and hs is stacks[-1]:
                 checks += _verify(args, runner, tok, hs, prep, default, length, log)
     for row in rows.values():
