@@ -92,6 +92,22 @@ def needle_table(out: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def per_text_table(out: dict, length: int, keys: list[str]) -> str:
+    """Top-1 % / KL of each text for the given setting keys at one length."""
+    rows = {r["key"]: r for r in out["teacher_forced"] if r["length"] == length}
+    keys = [k for k in keys if k in rows]
+    if not keys:
+        return ""
+    texts = [p["text"] for p in rows[keys[0]]["per_text"]]
+    lines = [f"| setting ({length}) | " + " | ".join(texts) + " |",
+             "|---|" + "---:|" * len(texts)]
+    for k in keys:
+        by = {p["text"]: p for p in rows[k]["per_text"]}
+        lines.append(f"| {k} | " + " | ".join(
+            f"{_p(by[t]['top1'])} / {by[t]['kl']:.3f}" if t in by else "–" for t in texts) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def default_summary(out: dict) -> str:
     d = out.get("default")
     if not d:

@@ -41,7 +41,7 @@ class EngineArgs:
     sparse_algorithm: str = "dense"
     token_budget: int = 2048
     sink_pages: int = 1
-    local_pages: int = 4  # chosen by the fidelity measurement (docs/results/fidelity.md)
+    local_pages: int = 2  # chosen by the fidelity measurement (docs/results/fidelity.md)
     dense_layers: int = 0
 
     # ---- CLI ------------------------------------------------------------------------------
