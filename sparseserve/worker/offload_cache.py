@@ -166,12 +166,12 @@ class TwoTierCache:
         """retrieve with the fused kernels (GPU; CPU tensors run them in the interpreter)."""
         from sparseserve.kernels.retrieve import fused_retrieve
         from sparseserve.kvcache.eviction import NUM_BUCKETS
-        backend = "triton"  # also on CPU tensors (tests, in the interpreter)
         slots, load_src = fused_retrieve(
             pages, num_sel, rows, self.res_table[layer], self.page_of[layer],
             self.last_access[layer], self.owner[layer], self.row_quota, self.step,
             self.hit_miss, self.scratch_page, self.scratch_slot, self.policy, NUM_BUCKETS)
-        residency_hash.rebuild(self.res_table[layer], self.page_of[layer], backend=backend)
+        # Triton also on CPU tensors (the interpreter, in tests)
+        residency_hash.rebuild(self.res_table[layer], self.page_of[layer], backend="triton")
         self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
                          self.dev_v[layer], load_src, slots.view(-1))
         return slots
