@@ -1,7 +1,8 @@
 """HBM bytes of the two-tier cache's metadata per request: two-level page table vs a flat
-per-page table (issue 4). Pure arithmetic over the engine's own sizing functions (no GPU):
-the directory row of PageDirectory, the residency index of kernels/residency_hash.py, the
-per-slot arrays of TwoTierCache and the summaries of SparseRuntime.
+per-page table (issue 4). Pure arithmetic (no GPU) with the engine's chunk size
+(HOST_CHUNK_PAGES) and residency-table sizing (kernels/residency_hash.table_size), for the
+layouts of PageDirectory, TwoTierCache's per-slot arrays and SparseRuntime's summaries; a test
+checks those tensors on real engines.
 
     python benchmarks/metadata_bytes.py --out docs/results/data
 

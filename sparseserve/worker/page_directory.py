@@ -78,7 +78,3 @@ class PageDirectory:
         self.chunks_np[rows, heads, chunk_idx] = values
         idx = [to_device(x, torch.long) for x in (rows, heads, chunk_idx)]
         self.chunks[idx[0], idx[1], idx[2]] = to_device(values, torch.int32)
-
-    def hbm_bytes_per_row(self) -> int:
-        """Device bytes of one row of the directory."""
-        return self.chunks[0].numel() * self.chunks.element_size()
