@@ -138,8 +138,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
-    # Layer-segmented prefill: a prompt runs this many layers per step (None = all layers).
-    prefill_layers_per_step: int | None = None
+    # Layer-segmented prefill (SparseServe's maxInjectToken): prefill work per step in prompt
+    # tokens x layers run; None = chunked prefill over all layers.
+    max_inject_tokens: int | None = None
+    # two-tier cache: admit requests while their estimated device working sets fit the slots
+    working_set_control: bool = False
+    working_set_window: int = 12  # decode steps a working set spans (SparseServe's w)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from sparseserve.config import (HOST_CHUNK_PAGES, CacheConfig, EngineConfig, LoadConfig,
                                 ModelConfig, SchedulerConfig, SparseConfig)
+from sparseserve.engine.presets import OFFLOAD_ONLY, PRESETS, apply_preset, preset_help
 
 logger = logging.getLogger("sparseserve")
 
@@ -27,18 +28,23 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
-    prefill_layers_per_step: int | None = None
+    # None = set by the preset (engine/presets.py), else the base default
+    preset: str | None = None
+    layer_segmented_prefill: bool | None = None
+    max_inject_tokens: int | None = None  # layer-segmented prefill work per step (tokens x layers)
+    working_set_control: bool | None = None
+    working_set_window: int = 12
     page_size: int = 32
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     enforce_eager: bool = False
-    kv_offload: bool = False
+    kv_offload: bool | None = None
     kv_offloading_size: float | None = None  # GiB of host DRAM for the host tier
-    h2d_method: str = "flash"
-    d2h_method: str = "flash"
-    eviction: str = "category-lru"
-    sparse_algorithm: str = "dense"
+    h2d_method: str | None = None
+    d2h_method: str | None = None
+    eviction: str | None = None
+    sparse_algorithm: str | None = None
     token_budget: int = 2048
     sink_pages: int = 1
     local_pages: int = 2  # chosen by the fidelity measurement (docs/results/fidelity.md)
@@ -63,8 +69,23 @@ class EngineArgs:
         parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
         parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                             action="store_false")
-        parser.add_argument("--prefill-layers-per-step", type=int, default=None,
-                            help="layer-segmented prefill: layers a prompt runs per step")
+        parser.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                            help="a system of the papers' comparison; explicit flags override "
+                                 "it. " + preset_help())
+        parser.add_argument("--layer-segmented-prefill", default=None,
+                            action=argparse.BooleanOptionalAction,
+                            help="prefill prompts layer by layer across steps (SparseServe)")
+        parser.add_argument("--max-inject-tokens", type=int, default=None,
+                            help="layer-segmented prefill work per step, in prompt tokens x "
+                                 "layers (default max-num-batched-tokens x num layers); implies "
+                                 "--layer-segmented-prefill")
+        parser.add_argument("--working-set-control", default=None,
+                            action=argparse.BooleanOptionalAction,
+                            help="two-tier cache: admit requests while their estimated device "
+                                 "working sets fit the device cache (default on with "
+                                 "--kv-offload)")
+        parser.add_argument("--working-set-window", type=int, default=d.working_set_window,
+                            help="decode steps a working set spans (SparseServe's w)")
         parser.add_argument("--page-size", type=int, default=d.page_size)
         parser.add_argument("--kv-cache-memory-bytes", type=_parse_bytes, default=None,
                             help="device KV cache size, e.g. 4G or 4294967296")
@@ -72,19 +93,25 @@ class EngineArgs:
                             default=d.gpu_memory_utilization)
         parser.add_argument("--seed", type=int, default=d.seed)
         parser.add_argument("--enforce-eager", action="store_true")
-        parser.add_argument("--kv-offload", action="store_true",
+        parser.add_argument("--kv-offload", default=None, action=argparse.BooleanOptionalAction,
                             help="two-tier KV cache: every page in host DRAM, HBM caches the "
                                  "pages sparse decode reads")
         parser.add_argument("--kv-offloading-size", type=float, default=None,
-                            help="GiB of pinned host memory for the host tier")
-        parser.add_argument("--h2d-method", default=d.h2d_method, choices=["flash", "memcpy"])
-        parser.add_argument("--d2h-method", default=d.d2h_method,
-                            choices=["flash", "memcpy", "gpu-direct"])
-        parser.add_argument("--eviction", default=d.eviction, choices=["category-lru", "lru"])
+                            help="GiB of pinned host memory for the host tier (default: what "
+                                 "max-num-seqs x max-model-len needs, at most half the free "
+                                 "RAM)")
+        parser.add_argument("--h2d-method", default=None, choices=["flash", "memcpy"],
+                            help="page loads (two-tier cache; default flash)")
+        parser.add_argument("--d2h-method", default=None,
+                            choices=["flash", "memcpy", "gpu-direct"],
+                            help="page saves (two-tier cache; default flash)")
+        parser.add_argument("--eviction", default=None, choices=["category-lru", "lru"],
+                            help="device cache eviction (two-tier cache; default category-lru)")
         from sparseserve.sparse import available_algorithms
-        parser.add_argument("--sparse-algorithm", default=d.sparse_algorithm,
+        parser.add_argument("--sparse-algorithm", default=None,
                             choices=available_algorithms(),
-                            help="decode attention: dense, or a dynamic sparse algorithm")
+                            help="decode attention: dense (default), or a dynamic sparse "
+                                 "algorithm")
         parser.add_argument("--token-budget", type=int, default=d.token_budget,
                             help="tokens attended per (request, layer, KV head) in sparse decode")
         parser.add_argument("--sink-pages", type=int, default=d.sink_pages)
@@ -98,8 +125,34 @@ class EngineArgs:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
     # ---- resolution -----------------------------------------------------------------------
+    def resolved(self) -> "EngineArgs":
+        """A copy with the preset applied (every preset-controlled knob set); raises for
+        flags that would do nothing in the chosen configuration."""
+        given = {k: getattr(self, k) for k in
+                 ("sparse_algorithm", "kv_offload", "h2d_method", "d2h_method", "eviction",
+                  "working_set_control", "layer_segmented_prefill")}
+        if self.max_inject_tokens is not None and self.layer_segmented_prefill is None:
+            given["layer_segmented_prefill"] = True
+        values = apply_preset(self.preset, given)
+        if not values["kv_offload"]:
+            useless = [k for k in OFFLOAD_ONLY if getattr(self, k) is not None]
+            if useless:
+                flags = ", ".join("--" + k.replace("_", "-") for k in useless)
+                raise ValueError(f"{flags} only act on the two-tier cache; add --kv-offload "
+                                 "(or --preset sparseserve / sparse-offload) or drop them.")
+        if values["layer_segmented_prefill"] is False and self.max_inject_tokens is not None:
+            raise ValueError("max_inject_tokens is the budget of layer-segmented prefill, "
+                             "which is off; drop it or enable layer_segmented_prefill.")
+        if values["working_set_control"] is None:
+            values["working_set_control"] = bool(values["kv_offload"])
+        values["layer_segmented_prefill"] = bool(values["layer_segmented_prefill"])
+        return dataclasses.replace(self, **values)
+
     def create_engine_config(self):
         """-> (EngineConfig, ModelSource). Validates everything before any weight is loaded."""
+        return self.resolved()._build_config()
+
+    def _build_config(self):
         import torch
 
         from sparseserve.model.loader import load_model_config, resolve_model_source
@@ -116,13 +169,15 @@ class EngineArgs:
             raise ValueError(f"page_size must be one of 8, 16, 32, 64, 128; got {self.page_size}.")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1.")
-        if self.prefill_layers_per_step is not None and self.prefill_layers_per_step < 1:
-            raise ValueError("prefill_layers_per_step must be >= 1 (or unset).")
+        if self.max_inject_tokens is not None and self.max_inject_tokens < 1:
+            raise ValueError("max_inject_tokens must be >= 1 (or unset).")
+        if self.working_set_window < 1:
+            raise ValueError("working_set_window must be >= 1 decode step.")
 
         page_bytes = 2 * mc.num_hidden_layers * self.page_size * mc.head_dim * DTYPE_BYTES[dtype]
         kv_bytes = self._kv_bytes(device, mc, dtype)
         num_pages = kv_bytes // page_bytes
-        num_host_pages = self._host_pages(page_bytes)
+        num_host_pages = self._host_pages(page_bytes, mc)
         pool = num_host_pages if self.kv_offload else num_pages
         chunk = HOST_CHUNK_PAGES if self.kv_offload else 1  # pages come in whole chunks
         capacity_tokens = (pool // chunk // mc.num_key_value_heads) * chunk * self.page_size
@@ -139,6 +194,8 @@ class EngineArgs:
         if max_len is None:
             max_len = min(mc.max_position_embeddings, capacity_tokens,
                           mc.sliding_window or capacity_tokens)
+            if self.kv_offload:  # a prompt being prefilled keeps its pages in slots
+                max_len = min(max_len, num_pages // mc.num_key_value_heads * self.page_size)
         elif max_len > mc.max_position_embeddings and source.kind != "dummy":
             raise ValueError(f"max_model_len={max_len} exceeds the model's context length "
                              f"({mc.max_position_embeddings}); the model was not trained for it. "
@@ -159,7 +216,10 @@ class EngineArgs:
             batched = max_len  # without chunking a whole prompt must fit in one step
         sparse = self._sparse_config(mc)
         if self.kv_offload:
-            self._check_offload(sparse, mc, num_pages)
+            self._check_offload(sparse, mc, num_pages, max_len)
+        inject = None
+        if self.layer_segmented_prefill:
+            inject = self.max_inject_tokens or batched * mc.num_hidden_layers
         cfg = EngineConfig(
             model=mc,
             load=LoadConfig(model=source.path or source.name, load_format=source.kind,
@@ -173,22 +233,36 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=batched, max_model_len=max_len,
                                       enable_chunked_prefill=self.enable_chunked_prefill,
-                                      prefill_layers_per_step=self.prefill_layers_per_step),
+                                      max_inject_tokens=inject,
+                                      working_set_control=bool(self.working_set_control
+                                                               and self.kv_offload),
+                                      working_set_window=self.working_set_window),
             sparse=sparse, device=device, dtype=dtype, seed=self.seed,
             enforce_eager=self.enforce_eager,
         )
         return cfg, source
 
-    def _host_pages(self, page_bytes: int) -> int:
+    def _host_pages(self, page_bytes: int, mc: ModelConfig) -> int:
         if not self.kv_offload:
             return 0
-        if self.kv_offloading_size is None or self.kv_offloading_size <= 0:
-            raise ValueError("kv_offload needs kv_offloading_size: the GiB of host memory for "
-                             "the host tier (e.g. --kv-offloading-size 64).")
-        pages = int(self.kv_offloading_size * GiB) // page_bytes
+        size = self.kv_offloading_size
+        if size is None:
+            # what every running request at full length needs, at most half the free RAM
+            import os
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            tokens = self.max_num_seqs * (self.max_model_len or mc.max_position_embeddings)
+            need = -(-tokens // self.page_size) * mc.num_key_value_heads * page_bytes
+            size = min(need, free // 2) / GiB
+            logger.info("kv_offloading_size not given: host tier of %.2f GiB (max_num_seqs x "
+                        "max_model_len, at most half the free RAM)", size)
+        if size <= 0:
+            raise ValueError("kv_offloading_size must be > 0 (GiB of host memory for the host "
+                             "tier, e.g. --kv-offloading-size 64).")
+        pages = int(size * GiB) // page_bytes
         return pages // HOST_CHUNK_PAGES * HOST_CHUNK_PAGES  # whole chunks (KVCacheManager)
 
-    def _check_offload(self, sparse: SparseConfig, mc: ModelConfig, num_slots: int) -> None:
+    def _check_offload(self, sparse: SparseConfig, mc: ModelConfig, num_slots: int,
+                       max_len: int) -> None:
         from sparseserve.kvcache.eviction import EVICTION_POLICIES
         from sparseserve.transfer import D2H_METHODS, H2D_METHODS
         if not sparse.enabled or sparse.algorithm == "oracle":
@@ -202,13 +276,14 @@ class EngineArgs:
                              f"{D2H_METHODS}.")
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}.")
-        mandatory = self.max_num_seqs * mc.num_key_value_heads * (sparse.token_budget
-                                                                  // self.page_size)
-        if num_slots < mandatory:
-            raise ValueError(f"The device cache has {num_slots} slots per layer but "
-                             f"{self.max_num_seqs} decoding requests can select {mandatory} "
-                             "pages in one step; raise kv_cache_memory_bytes or lower "
-                             "max_num_seqs / token_budget.")
+        # how many requests decode at once is bounded per step by the scheduler (their
+        # working sets must fit the slots); statically, one longest prompt must fit, since a
+        # prefill keeps every page of its prompt in slots (one layer's worth per pool)
+        need = -(-max_len // self.page_size) * mc.num_key_value_heads
+        if num_slots < need:
+            raise ValueError(f"The device cache has {num_slots} slots per layer but a prompt of "
+                             f"max_model_len={max_len} tokens needs {need} while it is "
+                             "prefilled; raise kv_cache_memory_bytes or lower max_model_len.")
 
     def _sparse_config(self, mc: ModelConfig) -> SparseConfig:
         from sparseserve.sparse import get_algorithm_class

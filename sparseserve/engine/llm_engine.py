@@ -39,7 +39,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.config, self.source)
         mc = self.config.model
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache,
-                                   mc.num_hidden_layers, mc.num_key_value_heads)
+                                   mc.num_hidden_layers, mc.num_key_value_heads,
+                                   self.config.sparse)
         self.eos_token_ids = tuple(mc.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer is not None
             and self.tokenizer.eos_token_id is not None else ())
@@ -138,7 +139,7 @@ class LLMEngine:
             return []
         res = self.runner.execute(out)
         self.last_step_host_time_s = res.host_time_s
-        sched.update_after_step(out)
+        sched.update_after_step(out, res.working_sets)
         self.step_count += 1
         now = time.time()
         touched: dict[str, list[float]] = {}
@@ -234,6 +235,13 @@ class LLMEngine:
             "cache_misses_total": 0,
             "bytes_loaded_total": 0,
             "bytes_saved_total": 0,
+            "pages_loaded_total": 0,
+            "prefill_cache_hits_total": 0,
+            "prefill_cache_misses_total": 0,
+            # two-tier cache: requests the last step left waiting for device slots, and the
+            # device working set (slots per layer) its admitted requests were estimated at
+            "num_waiting_for_slots": sched.num_waiting_for_slots,
+            "estimated_working_set": sched.estimated_working_set,
         }
         offload = self.runner.offload
         if offload is not None:

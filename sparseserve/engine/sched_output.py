@@ -51,6 +51,8 @@ class SchedulerOutput:
     freed_request_ids: list[str] = field(default_factory=list)  # their requests: drop worker state
     freed_pages: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))  # back in the pool
     num_layers: int = 0
+    # two-tier cache: per-row slot quotas [max_num_seqs + 1] int64 (engine/slot_budget.py)
+    row_quotas: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,9 +1,18 @@
 """Continuous-batching FCFS scheduler with chunked prefill, hybrid batches, layer-segmented
-prefill and preemption by recompute (CPU only).
+prefill, working-set-aware batch control and preemption (CPU only).
 
 Every request's `num_computed_tokens` catches up with its tokens: a step gives each running
-request what it is missing (1 token when decoding, a chunk when prefilling), then admits
-waiting requests while the token budget, `max_num_seqs` and free pages allow.
+request what it is missing (1 token when decoding, a chunk or a layer segment when
+prefilling), then admits waiting requests while the token budget, `max_num_seqs` and free
+pages allow. With the two-tier cache the page pool is the host tier, and a request also needs
+device slots for its step (engine/slot_budget.py): a running request whose slots do not fit
+waits this step (it keeps its DRAM pages; nothing is recomputed), and a waiting one is not
+admitted. Preemption by recompute happens only when the page pool itself (HBM without offload,
+the host tier with it) is full.
+
+Layer-segmented prefill (`max_inject_tokens`): a prompt is not chunked; each step it runs as
+many of its next layers as the step's injection budget (prompt tokens x layers) allows, at
+least one; a prompt whose single layer exceeds the budget is chunked to the budget.
 """
 from __future__ import annotations
 
@@ -12,17 +21,23 @@ from collections import deque
 
 import numpy as np
 
-from sparseserve.config import CacheConfig, SchedulerConfig
+from sparseserve.config import CacheConfig, SchedulerConfig, SparseConfig
 from sparseserve.engine.sched_output import NewRow, ScheduledChunk, SchedulerOutput
+from sparseserve.engine.slot_budget import SlotBudget
 from sparseserve.kvcache.manager import KVCacheManager
 from sparseserve.request import Request, RequestStatus
 
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, cache: CacheConfig, num_layers: int,
-                 num_kv_heads: int) -> None:
+                 num_kv_heads: int, sparse: SparseConfig | None = None) -> None:
         self.cfg = cfg
         self.num_layers = num_layers
+        self.slots = None
+        if cache.kv_offload:
+            budget = (sparse or SparseConfig()).token_budget // cache.page_size
+            self.slots = SlotBudget(cache.num_pages, num_kv_heads, cache.page_size, budget,
+                                    cfg.max_num_seqs, cfg.working_set_control)
         # with the two-tier cache the pool is the host tier; device slots are the worker's
         pool_pages = cache.num_host_pages if cache.kv_offload else cache.num_pages
         self.kv = KVCacheManager(pool_pages, cache.page_size, num_kv_heads,
@@ -63,6 +78,8 @@ class Scheduler:
             self._freed_pages.append(pages.reshape(-1).copy())
         self.kv.free(req.request_id)
         self._segment_tokens.pop(req.request_id, None)
+        if self.slots is not None:
+            self.slots.forget(req.request_id)
         row = self._rows.pop(req.request_id, None)
         if row is not None:
             self._free_rows.append(row)
@@ -82,19 +99,26 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.cfg.max_num_batched_tokens
+        inject = self.cfg.max_inject_tokens or 0
         chunks: list[ScheduledChunk] = []
         new_rows: list[NewRow] = []
         preempted = False
+        slots = self.slots
+        if slots is not None:
+            slots.start_step()
 
         for req in list(self.running):
             if budget <= 0:
                 break
             if req not in self.running:  # preempted earlier in this loop
                 continue
-            chunk = self._plan_chunk(req, budget)
+            chunk = self._plan_chunk(req, budget, inject)
             if chunk is None:
                 continue
-            n_tokens, cost, l0, l1 = chunk
+            n_tokens, cost, inject_cost, l0, l1 = chunk
+            if slots is not None and not slots.try_take(self._rows[req.request_id],
+                                                        self._slot_need(req, n_tokens)):
+                continue  # waits for device slots this step; its DRAM pages stay
             while not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n_tokens):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -105,29 +129,45 @@ class Scheduler:
                 break
             chunks.append(self._make_chunk(req, n_tokens, l0, l1))
             budget -= cost
+            inject -= inject_cost
 
         while (self.waiting and not preempted and budget > 0
                and len(self.running) < self.cfg.max_num_seqs):
             req = self.waiting[0]
-            chunk = self._plan_chunk(req, budget)
+            chunk = self._plan_chunk(req, budget, inject)
             if chunk is None:
                 break
-            n_tokens, cost, l0, l1 = chunk
+            n_tokens, cost, inject_cost, l0, l1 = chunk
             if not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n_tokens):
                 break
+            row = self._free_rows[-1]
+            if slots is not None and not slots.try_take(row, self._slot_need(req, n_tokens)):
+                break
             self.waiting.popleft()
-            row = self._free_rows.pop()
+            self._free_rows.pop()
             self._rows[req.request_id] = row
             new_rows.append(NewRow(row, req.request_id, req.sampling_params))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chunks.append(self._make_chunk(req, n_tokens, l0, l1))
             budget -= cost
+            inject -= inject_cost
 
+        quotas = None
+        if slots is not None:
+            quotas = slots.quotas([c.row for c in chunks if c.is_decode])
         freed, freed_ids, freed_pages = self.take_freed()
         return SchedulerOutput(chunks=chunks, new_rows=new_rows, freed_rows=freed,
                                freed_request_ids=freed_ids, freed_pages=freed_pages,
-                               num_layers=self.num_layers)
+                               num_layers=self.num_layers, row_quotas=quotas)
+
+    def _slot_need(self, req: Request, n_tokens: int) -> int:
+        """Device slots per layer `req` needs for its next `n_tokens` tokens."""
+        end = req.num_computed_tokens + n_tokens
+        if n_tokens == 1 and req.prefill_layer == 0 and req.num_computed_tokens > 0 \
+                and end == req.num_tokens:
+            return self.slots.decode_need(req.request_id, end)
+        return self.slots.prefill_need(end)
 
     def take_freed(self) -> tuple[list[int], list[str], np.ndarray]:
         """Rows, request ids and pages released since the last call (for the worker)."""
@@ -137,28 +177,29 @@ class Scheduler:
         self._freed_pages = []
         return rows, ids, pages
 
-    def _plan_chunk(self, req: Request, budget: int) -> tuple[int, int, int, int] | None:
-        """-> (tokens, budget cost, layer_start, layer_end), or None if it does not fit."""
+    def _plan_chunk(self, req: Request, budget: int,
+                    inject: int) -> tuple[int, int, int, int, int] | None:
+        """-> (tokens, token-budget cost, injection cost, layer_start, layer_end), or None if
+        it does not fit this step. Layer-segmented prefill is charged to the injection budget
+        (prompt tokens x layers run), everything else to the token budget."""
         remaining = req.num_tokens - req.num_computed_tokens
-        seg = self.cfg.prefill_layers_per_step
         is_prefill = remaining > 1 or req.prefill_layer > 0
-        if seg is None or not is_prefill:
+        limit = self.cfg.max_inject_tokens
+        if limit is None or not is_prefill:
             n = min(remaining, budget) if self.cfg.enable_chunked_prefill else remaining
             if n <= 0 or n > budget:
                 return None
-            return n, n, 0, self.num_layers
-        # Layer-segmented prefill: the same chunk runs `seg` layers per step; its cost is the
-        # share of a full forward it does (tokens x layers / total layers).
+            return n, n, 0, 0, self.num_layers
         n = self._segment_tokens.get(req.request_id)
         if n is None:
-            n = min(remaining, budget) if self.cfg.enable_chunked_prefill else remaining
+            # not chunked, unless one layer of the prompt is more than a step may inject
+            n = min(remaining, limit)
         l0 = req.prefill_layer
-        l1 = min(self.num_layers, l0 + seg)
-        cost = max(1, -(-n * (l1 - l0) // self.num_layers))
-        if n <= 0 or cost > budget:
+        layers = min(self.num_layers - l0, inject // n)
+        if n <= 0 or layers < 1:
             return None
         self._segment_tokens[req.request_id] = n
-        return n, cost, l0, l1
+        return n, 0, n * layers, l0, l0 + layers
 
     def _make_chunk(self, req: Request, n_tokens: int, l0: int, l1: int) -> ScheduledChunk:
         start = req.num_computed_tokens
@@ -178,8 +219,15 @@ class Scheduler:
             new_chunks=new_chunks,
         )
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance each scheduled request's progress (before sampled tokens are appended)."""
+    def update_after_step(self, out: SchedulerOutput,
+                          working_sets: np.ndarray | None = None) -> None:
+        """Advance each scheduled request's progress (before sampled tokens are appended).
+        working_sets [max_num_seqs + 1]: per-row working sets the worker counted this step
+        (two-tier cache; None when the step did not count them)."""
+        if working_sets is not None and self.slots is not None:
+            for c in out.chunks:
+                if c.is_decode:
+                    self.slots.record(c.request_id, working_sets[c.row])
         for c in out.chunks:
             req = self.requests.get(c.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -190,6 +238,16 @@ class Scheduler:
                 req.prefill_layer = 0
                 req.num_computed_tokens += c.num_tokens
                 self._segment_tokens.pop(req.request_id, None)
+
+    @property
+    def num_waiting_for_slots(self) -> int:
+        """Requests that could not run in the last step for lack of device slots."""
+        return 0 if self.slots is None else self.slots.num_waiting_for_slots
+
+    @property
+    def estimated_working_set(self) -> int:
+        """Device slots per layer the last step's requests were estimated to need."""
+        return 0 if self.slots is None else self.slots.estimated_working_set
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()

@@ -38,6 +38,8 @@ class RunnerOutput:
     logprobs: dict[str, dict[int, tuple[float, int]]] = field(default_factory=dict)
     host_time_s: float = 0.0  # time the CPU spent preparing and launching (before the sync)
     logits: torch.Tensor | None = None  # [N, vocab] fp32 of the sampled rows (keep_logits)
+    # two-tier cache: [max_num_seqs + 1] per-row working sets (slots per layer) counted this step
+    working_sets: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -76,7 +78,8 @@ class ModelRunner:
         num_ids = cfg.cache.num_pages
         if cfg.cache.kv_offload:
             self.offload = TwoTierCache(cfg.cache, self.num_layers, mc.head_dim, rows,
-                                        self.dtype, self.device)
+                                        self.dtype, self.device,
+                                        cfg.scheduler.working_set_window)
             self.offload.attach_device_tier(self.kv.k, self.kv.v)
             num_ids = cfg.cache.num_host_pages
         # the device page table: a chunk directory (+ CPU mirror for the saver's host ids)
@@ -115,9 +118,8 @@ class ModelRunner:
             self.offload.begin_step()
         for nr in out.new_rows:
             self.row_params[nr.row] = nr.params
-        if self.offload is not None and (out.new_rows or out.freed_rows):
-            mandatory = self.num_kv_heads * self.cfg.sparse.token_budget // self.page_size
-            self.offload.share_evenly(len(self.row_params), mandatory)
+        if self.offload is not None and out.row_quotas is not None:
+            self.offload.set_quotas(torch.from_numpy(out.row_quotas))
         self._apply_page_diffs(out.chunks)
         # decode tokens first: the decode kernel reads one contiguous block of rows
         chunks = sorted(out.chunks, key=lambda c: not c.is_decode)
@@ -215,8 +217,12 @@ class ModelRunner:
         batch = SamplingBatch(params=[self.row_params[c.row] for c in sampling],
                               num_output_tokens=[c.num_output_tokens for c in sampling])
         s = self.sampler(logits, batch)
+        if self.offload is not None:
+            self.offload.count_working_sets()  # lands with the token copy: no extra sync
         result.host_time_s = time.perf_counter() - t0
         tokens = s.token_ids.tolist()  # the step's one host sync
+        if self.offload is not None:
+            result.working_sets = self.offload.working_sets()
         for c, tok in zip(sampling, tokens):
             result.token_ids[c.request_id] = tok
         if s.sampled_logprob is not None:

@@ -46,7 +46,8 @@ def _alloc_pinned(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torc
 
 class TwoTierCache:
     def __init__(self, cache: CacheConfig, num_layers: int, head_dim: int, num_rows: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, working_set_window: int = 12) -> None:
+        self.window = working_set_window
         self.num_layers = num_layers
         self.page_size = ps = cache.page_size
         self.num_host_pages = cache.num_host_pages
@@ -77,6 +78,12 @@ class TwoTierCache:
                                     device=device)
         self.step = torch.zeros((), dtype=torch.long, device=device)
         self.hit_miss = torch.zeros(2, dtype=torch.long, device=device)  # [hits, misses]
+        # prefill's own retrieves (its pages into slots): counted apart from decode's hit rate
+        self.prefill_hit_miss = torch.zeros(2, dtype=torch.long, device=device)
+        self.num_rows = num_rows
+        # working set per row (slots per layer, max over layers), read one step late
+        self._ws_host = torch.zeros(num_rows + 1, dtype=torch.long,
+                                    pin_memory=device.type == "cuda")
         self.loader = PageLoader(cache.h2d_method)
         self.saver = make_saver(cache.d2h_method, self.host_k, self.host_v)
         self._last_ticket = 0
@@ -115,10 +122,37 @@ class TwoTierCache:
         evicted ahead of other requests' (its mandatory selection is never evicted)."""
         self.row_quota[row] = quota_slots
 
-    def share_evenly(self, num_active: int, mandatory: int) -> None:
-        """Default quota: an even share of the pool per running request, never below what
-        one decode step of a request selects (its mandatory pages)."""
-        self.row_quota.fill_(max(mandatory, self.num_slots // max(1, num_active)))
+    def set_quotas(self, quotas: torch.Tensor) -> None:
+        """Elastic buffers for every row at once: quotas [num_rows + 1] int64 on the host
+        (the scheduler's sizing; 0 for rows that wait this step, so their slots go first)."""
+        dev = self.row_quota.device
+        src = quotas.pin_memory() if dev.type == "cuda" else quotas
+        self.row_quota.copy_(src, non_blocking=True)
+
+    def count_working_sets(self) -> None:
+        """Start counting each row's working set: slots it owns that were used in the last
+        `window` steps, per layer, max over layers -> a pinned host buffer, copied without a
+        sync (valid once the step's token copy has synchronised; see `working_sets`)."""
+        last = self.last_access[:, :-1]
+        recent = (last > self.step - self.window) & (last >= 0)
+        counts = torch.zeros((self.num_layers, self.num_rows + 1), dtype=torch.long,
+                             device=self.last_access.device)
+        counts.scatter_add_(1, self.owner[:, :-1], recent.long())
+        self._ws_host.copy_(counts.amax(0), non_blocking=True)
+
+    def working_sets(self) -> np.ndarray:
+        """[num_rows + 1] int64 per-row working sets of the last `count_working_sets` call."""
+        return self._ws_host.numpy().copy()
+
+    def age(self, layer: int, slots: torch.Tensor) -> None:
+        """Mark slots as used `window` steps ago: a prefill's pages stay resident (decode
+        starts warm, the next chunk finds its prefix) but count in no working set and are
+        evicted before any page a decode step used within the window."""
+        last = self.last_access[layer]
+        # never below 0: a negative last access marks a free slot
+        aged = (self.step - self.window).clamp(min=0)
+        last.index_put_((slots.reshape(-1),), aged.expand(slots.numel()))
+        last[self.scratch_slot].fill_(-1)
 
     def save(self, layer: int, k: torch.Tensor, v: torch.Tensor, host_pages: np.ndarray,
              offsets: np.ndarray) -> None:
@@ -148,36 +182,47 @@ class TwoTierCache:
 
     # ---- retrieve -------------------------------------------------------------------------
     def retrieve(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor,
-                 rows: torch.Tensor) -> torch.Tensor:
+                 rows: torch.Tensor, fresh: torch.Tensor | None = None,
+                 prefill: bool = False) -> torch.Tensor:
         """Map selected host pages to device slots, loading the misses.
 
         pages [B, Hkv, K] host page ids; num_sel [B, Hkv] int (valid entries of each row of
         the selection); rows [B] batch rows. Returns slots [B, Hkv, K] (scratch slot where
-        not valid). On a GPU the bookkeeping is fused (kernels/retrieve.py); the torch
-        version below is the CPU path and the reference."""
+        not valid). `fresh` [B, Hkv, K] bool: pages that hold no data yet (a page this step
+        starts) — a miss gets a slot but nothing is loaded for it. `prefill`: count hits and
+        misses apart from decode's (a prefill mapping its own pages).
+        On a GPU the bookkeeping is fused (kernels/retrieve.py); the torch version below is
+        the CPU path and the reference."""
+        counter = self.prefill_hit_miss if prefill else self.hit_miss
         if pages.is_cuda:
-            return self._retrieve_fused(layer, pages, num_sel, rows)
+            return self._retrieve_fused(layer, pages, num_sel, rows, fresh, counter)
         K = pages.shape[2]
         valid = torch.arange(K, device=pages.device).view(1, 1, K) < num_sel.unsqueeze(-1)
-        return self._retrieve_torch(layer, pages, valid, rows)
+        return self._retrieve_torch(layer, pages, valid, rows, fresh, counter)
 
     def _retrieve_fused(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor,
-                        rows: torch.Tensor) -> torch.Tensor:
+                        rows: torch.Tensor, fresh: torch.Tensor | None,
+                        counter: torch.Tensor) -> torch.Tensor:
         """retrieve with the fused kernels (GPU; CPU tensors run them in the interpreter)."""
         from sparseserve.kernels.retrieve import fused_retrieve
         from sparseserve.kvcache.eviction import NUM_BUCKETS
         slots, load_src = fused_retrieve(
             pages, num_sel, rows, self.res_table[layer], self.page_of[layer],
             self.last_access[layer], self.owner[layer], self.row_quota, self.step,
-            self.hit_miss, self.scratch_page, self.scratch_slot, self.policy, NUM_BUCKETS)
+            counter, self.scratch_page, self.scratch_slot, self.policy, NUM_BUCKETS)
         # Triton also on CPU tensors (the interpreter, in tests)
         residency_hash.rebuild(self.res_table[layer], self.page_of[layer], backend="triton")
+        if fresh is not None:  # a page that starts now is no miss: nothing to load
+            starts = fresh.reshape(-1) & (load_src >= 0)
+            counter[1:].sub_(starts.sum().view(1))
+            load_src = torch.where(starts, -1, load_src)
         self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
                          self.dev_v[layer], load_src, slots.view(-1))
         return slots
 
     def _retrieve_torch(self, layer: int, pages: torch.Tensor, valid: torch.Tensor,
-                        rows: torch.Tensor) -> torch.Tensor:
+                        rows: torch.Tensor, fresh: torch.Tensor | None,
+                        counter: torch.Tensor) -> torch.Tensor:
         """retrieve with torch ops; valid [B, Hkv, K] bool."""
         shape = pages.shape
         pages = torch.where(valid, pages.long(), self.scratch_page).reshape(-1)
@@ -188,8 +233,9 @@ class TwoTierCache:
         slots = self.slot_of(layer, pages)
         hit = valid & (slots >= 0)
         miss = valid & (slots < 0)
-        self.hit_miss.add_(torch.stack([(hit & (pages != self.scratch_page)).sum(),
-                                        miss.sum()]))
+        # a page that starts now is no miss: nothing to load
+        load = miss if fresh is None else miss & ~fresh.reshape(-1)
+        counter.add_(torch.stack([(hit & (pages != self.scratch_page)).sum(), load.sum()]))
         # touch hits first so they cannot become victims
         last.index_put_((torch.where(hit, slots, self.scratch_slot),), self.step.expand(
             slots.shape))
@@ -205,23 +251,11 @@ class TwoTierCache:
         page_of[self.scratch_slot].fill_(-1)
         residency_hash.rebuild(self.res_table[layer], page_of)
         self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
-                         self.dev_v[layer], torch.where(miss, pages, -1), victim)
+                         self.dev_v[layer], torch.where(load, pages, -1), victim)
         return torch.where(hit, slots, victim).reshape(shape)
 
     def attach_device_tier(self, dev_k: list[torch.Tensor], dev_v: list[torch.Tensor]) -> None:
         self.dev_k, self.dev_v = dev_k, dev_v
-
-    # ---- prefill history ------------------------------------------------------------------
-    def gather_host(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of host pages [n] -> device tensors [n, page_size, D] (prefill history)."""
-        n = pages.shape[0]
-        dev = self.page_of.device
-        k = torch.empty((n,) + self.host_k[layer].shape[1:], dtype=self.host_k[layer].dtype,
-                        device=dev)
-        v = torch.empty_like(k)
-        self.loader.load(self.host_k[layer], self.host_v[layer], k, v, pages.long(),
-                         torch.arange(n, device=dev))
-        return k, v
 
     # ---- introspection --------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -229,7 +263,9 @@ class TwoTierCache:
         saved = self.saver.stats()
         loaded = self.loader.stats()
         hits, misses = self.hit_miss.tolist()
+        p_hits, p_misses = self.prefill_hit_miss.tolist()
         return {"cache_hits_total": hits, "cache_misses_total": misses,
+                "prefill_cache_hits_total": p_hits, "prefill_cache_misses_total": p_misses,
                 "bytes_loaded_total": loaded.bytes,
                 "bytes_saved_total": saved.bytes + int(self.direct_bytes_saved),
                 "pages_loaded_total": loaded.pages,

@@ -3,8 +3,10 @@ device slots that `retrieve` fills; new K/V is written through to DRAM.
 
 Per layer: save new K/V (FlashD2H) -> decode: select over host pages (summaries stay in HBM)
 -> retrieve (hits map to slots, misses are loaded by FlashH2D) -> store the decode token in its
-(resident) last page -> index pages that filled -> attend over slots. Prefill chunks attend
-over their own K/V plus history gathered from DRAM, and are indexed from that contiguous K.
+(resident) last page -> index pages that filled -> attend over slots. Prefill chunks map all their
+pages to slots (the prefix stays resident between chunks), store their K/V there, attend over
+the slots (device to device; no prefix byte crosses PCIe while it is in HBM) and are indexed
+from that contiguous K.
 """
 from __future__ import annotations
 
@@ -56,7 +58,8 @@ class OffloadForwardContext(ForwardContext):
                                            self.dec_last_len, summaries, None)
         if self.on_select is not None:
             self.on_select(layer, q, sel, self)
-        slots = cache.retrieve(layer, sel.page_table, sel.num_pages, self.dec_rows)
+        slots = cache.retrieve(layer, sel.page_table, sel.num_pages, self.dec_rows,
+                               fresh=self._decode_fresh(sel.page_table.shape[2], sel.num_pages))
         # the token's page is the selection's last entry, now resident
         last_slot = slots.gather(2, (sel.num_pages.long() - 1).unsqueeze(-1))[..., 0]  # [B, Hkv]
         dev_k, dev_v = cache.dev_k[layer], cache.dev_v[layer]
@@ -66,6 +69,14 @@ class OffloadForwardContext(ForwardContext):
         self._index_decode_fills(layer, q, last_slot, summaries)
         return paged_decode_attention(q, dev_k, dev_v, slots.to(torch.int32), sel.num_pages,
                                       sel.last_page_len, self.scale)
+
+    def _decode_fresh(self, width: int, num_sel: torch.Tensor) -> torch.Tensor:
+        """[B, Hkv, K] bool: the selection's last entry when this token starts a new page
+        (nothing to load for it)."""
+        starts = ((self.dec_seq_lens - 1) % self.kv.page_size == 0).view(-1, 1, 1)
+        last = torch.arange(width, device=num_sel.device).view(1, 1, -1) == (
+            num_sel.long() - 1).unsqueeze(-1)
+        return last & starts
 
     def _index_decode_fills(self, layer: int, q: torch.Tensor, last_slot: torch.Tensor,
                             summaries: LayerSummaries) -> None:
@@ -100,28 +111,47 @@ class OffloadForwardContext(ForwardContext):
 
     def _offload_prefill(self, layer: int, p: PrefillSeq, q: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, summaries: LayerSummaries) -> torch.Tensor:
+        """A prefill chunk over the two tiers: every page of the request up to the chunk's end
+        is mapped to a device slot (the prefix is normally still resident from the earlier
+        chunks: a hit; a page evicted since is loaded back; the chunk's new pages get slots
+        without a load), the chunk's K/V is stored there (and saved to DRAM by the saver),
+        and attention reads the prefix device-to-device. The slots stay resident, so decode
+        starts warm."""
+        cache = self.cache
         ps = self.kv.page_size
         n = p.q_end - p.q_start
         total = p.start + n
-        ks = k[p.q_start:p.q_end].transpose(0, 1)  # [Hkv, n, D]
-        vs = v[p.q_start:p.q_end].transpose(0, 1)
-        hkv = ks.shape[0]
+        nb = -(-total // ps)
+        pages = self.pages.row_range(p.row, 0, nb)  # [Hkv, nb] host pages
+        hkv = pages.shape[0]
+        dev = q.device
+        blocks = torch.arange(nb, device=dev)
+        fresh = (blocks * ps >= p.start).view(1, 1, nb).expand(1, hkv, nb)  # no data yet
+        num = torch.full((1, hkv), nb, dtype=torch.int32, device=dev)
+        row = torch.full((1,), p.row, dtype=torch.long, device=dev)
+        slots = cache.retrieve(layer, pages.unsqueeze(0), num, row, fresh=fresh,
+                               prefill=True)[0]  # [Hkv, nb]
+        cache.age(layer, slots)
+        pos = torch.arange(p.start, total, device=dev)
+        tok_slots = slots[:, torch.div(pos, ps, rounding_mode="floor")]  # [Hkv, n]
+        dev_k, dev_v = cache.dev_k[layer], cache.dev_v[layer]
+        dev_k[tok_slots, (pos % ps)[None, :]] = k[p.q_start:p.q_end].transpose(0, 1)
+        dev_v[tok_slots, (pos % ps)[None, :]] = v[p.q_start:p.q_end].transpose(0, 1)
         if p.start:
-            nb = -(-p.start // ps)
-            pages = self.pages.row_range(p.row, 0, nb).reshape(-1)  # [Hkv * nb] host pages
-            hk, hv = self.cache.gather_host(layer, pages)
-            hk = hk.view(hkv, nb * ps, -1)[:, :p.start]
-            hv = hv.view(hkv, nb * ps, -1)[:, :p.start]
-            ks, vs = torch.cat([hk, ks], 1), torch.cat([hv, vs], 1)
+            ks = dev_k[slots].reshape(hkv, nb * ps, -1)[:, :total]
+            vs = dev_v[slots].reshape(hkv, nb * ps, -1)[:, :total]
+        else:
+            ks = k[p.q_start:p.q_end].transpose(0, 1)  # [Hkv, n, D]
+            vs = v[p.q_start:p.q_end].transpose(0, 1)
         b0, b1 = p.start // ps, total // ps
         if b1 > b0:  # pages completed by this chunk, summarised from the contiguous K
-            nb = b1 - b0
-            pages_k = ks[:, b0 * ps:b1 * ps].reshape(hkv * nb, ps, -1).contiguous()
-            host_ids = self.pages.row_range(p.row, b0, b1).reshape(-1)
-            fill_pos = torch.arange(b0, b1, device=q.device) * ps + ps - 1 - p.start
-            qf = q[p.q_start:p.q_end][fill_pos].float()  # [nb, Hq, D]
-            queries = qf.view(nb, hkv, -1, qf.shape[-1]).transpose(0, 1).reshape(
-                hkv * nb, -1, qf.shape[-1])
-            read = torch.arange(hkv * nb, device=q.device, dtype=torch.int32)
-            self._index_via_scratch(pages_k, read, host_ids, summaries, queries, hkv * nb + 1)
+            nf = b1 - b0
+            pages_k = ks[:, b0 * ps:b1 * ps].reshape(hkv * nf, ps, -1).contiguous()
+            host_ids = pages[:, b0:b1].reshape(-1)
+            fill_pos = torch.arange(b0, b1, device=dev) * ps + ps - 1 - p.start
+            qf = q[p.q_start:p.q_end][fill_pos].float()  # [nf, Hq, D]
+            queries = qf.view(nf, hkv, -1, qf.shape[-1]).transpose(0, 1).reshape(
+                hkv * nf, -1, qf.shape[-1])
+            read = torch.arange(hkv * nf, device=dev, dtype=torch.int32)
+            self._index_via_scratch(pages_k, read, host_ids, summaries, queries, hkv * nf + 1)
         return self._sdpa(q[p.q_start:p.q_end].transpose(0, 1), ks, vs, p.start)

@@ -50,9 +50,11 @@ def test_chunked_prefill_equals_unchunked(model_dir, reference):
     assert tokens(llm.generate(prompts(), greedy(), use_tqdm=False)) == reference
 
 
-@pytest.mark.parametrize("layers_per_step", [1, 2])
-def test_layer_segmented_prefill_equals_plain(model_dir, reference, layers_per_step):
-    llm = make_llm(model_dir, max_num_seqs=8, prefill_layers_per_step=layers_per_step,
+# 3 layers; 40 token-layers per step: the 97- and 54-token prompts are chunked to 40 and run
+# one layer per step, 17 runs 2 layers per step, 1 all three; 300: no chunking, 1-3 layers
+@pytest.mark.parametrize("inject", [40, 300])
+def test_layer_segmented_prefill_equals_plain(model_dir, reference, inject):
+    llm = make_llm(model_dir, max_num_seqs=8, max_inject_tokens=inject,
                    max_num_batched_tokens=40)
     outs = llm.generate(prompts(), SamplingParams(temperature=0.0, max_tokens=24,
                                                   ignore_eos=True, logprobs=3), use_tqdm=False)
@@ -64,8 +66,8 @@ def test_layer_segmented_logits_equal_plain(model_dir):
     """The first token's log-probabilities (the logits) agree, not only the argmax."""
     p = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     plain = make_llm(model_dir).generate(prompts()[3], p, use_tqdm=False)[0]
-    seg = make_llm(model_dir, prefill_layers_per_step=1).generate(prompts()[3], p,
-                                                                   use_tqdm=False)[0]
+    seg = make_llm(model_dir, max_inject_tokens=97).generate(prompts()[3], p,
+                                                              use_tqdm=False)[0]
     a, b = plain.outputs[0].logprobs[0], seg.outputs[0].logprobs[0]
     assert a.keys() == b.keys()
     for t in a:

@@ -97,9 +97,20 @@ def test_offload_config_errors(model_dir):
     with pytest.raises(ValueError, match="sparse_algorithm"):
         LLM(model_dir, page_size=16, kv_offload=True, kv_offloading_size=0.001)
     with pytest.raises(ValueError, match="kv_offloading_size"):
-        LLM(model_dir, **dict(SPARSE, kv_offload=True))
-    with pytest.raises(ValueError, match="slots"):
+        LLM(model_dir, **dict(SPARSE, kv_offload=True, kv_offloading_size=0))
+    with pytest.raises(ValueError, match="slots"):  # a 256-token prompt needs 32 slots
         offload_llm(model_dir, 8)
+    with pytest.raises(ValueError, match="--h2d-method.*--kv-offload"):
+        LLM(model_dir, **dict(SPARSE, h2d_method="memcpy"))
+    with pytest.raises(ValueError, match="working-set-control"):
+        LLM(model_dir, **dict(SPARSE, working_set_control=True))
+
+
+def test_host_tier_size_defaults_to_what_the_requests_need(model_dir):
+    llm = LLM(model_dir, **dict(SPARSE, kv_offload=True, kv_cache_memory_bytes=64 * PAGE_BYTES))
+    cache = llm.engine.config.cache
+    # 4 requests x 256 tokens / 16 per page x 2 KV heads, in whole chunks of 16
+    assert cache.num_host_pages == 4 * 256 // 16 * 2
 
 
 def test_device_metadata_grows_with_slots_not_host_tier(model_dir):

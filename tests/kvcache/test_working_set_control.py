@@ -1,0 +1,190 @@
+"""The two-tier cache as a system (CPU mode): offloaded prefill keeps its KV in device slots,
+working-set-aware batch control bounds what a step admits, requests that wait for slots resume
+without recompute, layer-segmented prefill over the two tiers, presets."""
+import random
+
+import pytest
+
+from sparseserve import LLM, SamplingParams
+
+PAGE_BYTES = 2 * 3 * 16 * 16 * 4  # K+V, 3 layers, page_size 16, head_dim 16, fp32
+SPARSE = dict(page_size=16, sparse_algorithm="arkvale", token_budget=64, sink_pages=1,
+              local_pages=1, max_num_seqs=12, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dirs):
+    return tiny_model_dirs["llama-gqa"][0]
+
+
+def prompts(lengths, seed=0):
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 320) for _ in range(n)]} for n in lengths]
+
+
+def offload_llm(model_dir, slots, **kw):
+    args = dict(SPARSE, kv_offload=True, kv_cache_memory_bytes=slots * PAGE_BYTES,
+                kv_offloading_size=800 * PAGE_BYTES / 2**30)
+    args.update(kw)
+    return LLM(model_dir, **args)
+
+
+def greedy(n=20):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def resident(model_dir, ps, params, **kw):
+    return tokens(LLM(model_dir, **dict(SPARSE, **kw)).generate(ps, params, use_tqdm=False))
+
+
+LENGTHS = [1, 17, 54, 97, 130]
+
+
+@pytest.mark.parametrize("mode", [dict(max_num_batched_tokens=13),
+                                  dict(max_num_batched_tokens=64, max_inject_tokens=100)],
+                         ids=["chunked", "layer-segmented"])
+def test_offloaded_prefill_reads_nothing_from_dram_that_is_in_hbm(model_dir, mode):
+    """A roomy device cache: every chunk finds its prefix in slots and decode starts warm, so
+    not one page is loaded from DRAM, and the tokens equal the all-resident sparse engine."""
+    ps = prompts(LENGTHS)
+    ref = resident(model_dir, ps, greedy())
+    llm = offload_llm(model_dir, 400, **mode)
+    assert tokens(llm.generate(ps, greedy(), use_tqdm=False)) == ref
+    stats = llm.engine.get_stats()
+    assert stats["pages_loaded_total"] == 0 and stats["bytes_loaded_total"] == 0
+    assert stats["cache_misses_total"] == 0 and stats["cache_hits_total"] > 0
+    # the prefix of every later chunk was found resident (a prefill hit)
+    if "max_inject_tokens" not in mode:
+        assert stats["prefill_cache_hits_total"] > 0
+    assert stats["bytes_saved_total"] > 0
+    llm.engine.check_invariants()
+    assert llm.engine.num_free_pages() == llm.engine.num_total_pages()
+
+
+def run_stepwise(llm, ps, params):
+    """Step by hand; -> (outputs by request, per-step records of the scheduler's plan)."""
+    eng = llm.engine
+    for i, (p, sp) in enumerate(zip(ps, params)):
+        eng.add_request(str(i), p, sp)
+    done, steps = {}, []
+    sched = eng.scheduler
+    loaded0 = eng.get_stats()["pages_loaded_total"]
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        loaded = eng.get_stats()["pages_loaded_total"]
+        steps.append({"ws": sched.estimated_working_set, "waiting": sched.num_waiting_for_slots,
+                      "loaded": loaded - loaded0})
+        loaded0 = loaded
+        eng.check_invariants()
+    return [done[str(i)] for i in range(len(ps))], steps
+
+
+def test_working_set_control_bounds_admission_and_cuts_loads(model_dir):
+    """12 requests of 97-130 tokens (7-9 pages per head, 4 selected per step) on 48 slots:
+    without control the scheduler runs every request whose mandatory pages fit (thrashing);
+    with it, admitted working sets stay within M_avl and fewer pages are loaded per step.
+    Both give the all-resident tokens; nothing is recomputed and nothing leaks."""
+    lengths = [97 + 3 * i for i in range(12)]
+    ps = prompts(lengths, seed=3)
+    params = [greedy(24)] * len(ps)
+    ref = resident(model_dir, ps, params)
+    runs = {}
+    for control in (False, True):
+        llm = offload_llm(model_dir, 48, working_set_control=control, max_num_batched_tokens=64)
+        outs, steps = run_stepwise(llm, ps, params)
+        assert outs == ref
+        budget = llm.engine.scheduler.slots
+        assert all(s["ws"] <= budget.num_slots - budget.reserve for s in steps)
+        assert llm.engine.scheduler.num_preemptions_total == 0  # waits, never recomputes
+        assert llm.engine.num_free_pages() == llm.engine.num_total_pages()
+        assert int((llm.engine.runner.offload.page_of[:, :-1] >= 0).sum()) == 0
+        runs[control] = steps
+    per_step = {c: sum(s["loaded"] for s in st) / len(st) for c, st in runs.items()}
+    assert per_step[True] < per_step[False]
+    assert any(s["waiting"] for s in runs[True])  # control made requests wait for slots
+
+
+def test_waiting_for_slots_and_resumed_equals_uninterrupted(model_dir):
+    """A cache that holds two working sets: the other requests wait (their DRAM pages stay)
+    and resume later; the tokens equal an uninterrupted resident run, logprobs too."""
+    ps = prompts([130, 129, 97, 54], seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2)
+    ref_llm = LLM(model_dir, **dict(SPARSE, max_num_seqs=1))
+    ref = ref_llm.generate(ps, params, use_tqdm=False)
+    llm = offload_llm(model_dir, 40, max_num_batched_tokens=300)
+    outs = llm.generate(ps, params, use_tqdm=False)
+    assert tokens(outs) == tokens(ref)
+    for a, b in zip(outs, ref):
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for t in y:
+                assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4)
+    assert llm.engine.scheduler.num_preemptions_total == 0
+    assert sum(o.metrics.num_preemptions for o in outs) == 0
+
+
+def test_full_host_tier_still_preempts_by_recompute(model_dir):
+    """Recompute is left only for a full host tier: every request still finishes."""
+    ps = prompts([250, 249, 248, 247], seed=9)
+    # 8 chunks of 16 pages (256 tokens of one head): the four prompts fit (2 chunks each),
+    # but growing past 256 tokens needs 2 more chunks per request
+    llm = offload_llm(model_dir, 64, kv_offloading_size=128 * PAGE_BYTES / 2**30,
+                      max_num_batched_tokens=64, max_model_len=512)
+    outs = llm.generate(ps, greedy(40), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    assert llm.engine.scheduler.num_preemptions_total > 0
+    llm.engine.check_invariants()
+    assert llm.engine.num_free_pages() == llm.engine.num_total_pages()
+
+
+@pytest.mark.parametrize("preset", ["dense", "sparse", "sparse-offload", "sparseserve"])
+def test_each_preset_builds_and_runs(model_dir, preset):
+    kw = dict(page_size=16, token_budget=64, sink_pages=1, local_pages=1, max_num_seqs=4,
+              max_model_len=256)
+    if preset.endswith("offload") or preset == "sparseserve":
+        kw.update(kv_cache_memory_bytes=64 * PAGE_BYTES,
+                  kv_offloading_size=200 * PAGE_BYTES / 2**30)
+    llm = LLM(model_dir, preset=preset, **kw)
+    cfg = llm.engine.config
+    assert cfg.sparse.enabled == (preset != "dense")
+    assert cfg.cache.kv_offload == (preset in ("sparse-offload", "sparseserve"))
+    if preset == "sparse-offload":
+        assert (cfg.cache.h2d_method, cfg.cache.d2h_method, cfg.cache.eviction) == (
+            "memcpy", "memcpy", "lru")
+        assert not cfg.scheduler.working_set_control and cfg.scheduler.max_inject_tokens is None
+    if preset == "sparseserve":
+        assert (cfg.cache.h2d_method, cfg.cache.d2h_method, cfg.cache.eviction) == (
+            "flash", "flash", "category-lru")
+        assert cfg.scheduler.working_set_control
+        assert cfg.scheduler.max_inject_tokens == 2048 * 3  # batched tokens x layers
+    outs = llm.generate(prompts([17, 54]), greedy(8), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+
+
+def test_explicit_flags_override_the_preset(model_dir):
+    llm = LLM(model_dir, preset="sparseserve", page_size=16, token_budget=64, sink_pages=1,
+              local_pages=1, max_num_seqs=4, max_model_len=256,
+              kv_cache_memory_bytes=64 * PAGE_BYTES, kv_offloading_size=200 * PAGE_BYTES / 2**30,
+              sparse_algorithm="quest", eviction="lru", working_set_control=False,
+              layer_segmented_prefill=False)
+    cfg = llm.engine.config
+    assert cfg.sparse.algorithm == "quest" and cfg.cache.eviction == "lru"
+    assert not cfg.scheduler.working_set_control and cfg.scheduler.max_inject_tokens is None
+    assert cfg.cache.h2d_method == "flash"  # from the preset
+    with pytest.raises(ValueError, match="unknown preset"):
+        LLM(model_dir, preset="vllm")
+    # the injection budget turns layer-segmented prefill on, unless it is explicitly off
+    seg = LLM(model_dir, preset="sparse-offload", max_inject_tokens=100, page_size=16,
+              token_budget=64, sink_pages=1, local_pages=1, max_model_len=256,
+              kv_cache_memory_bytes=64 * PAGE_BYTES, kv_offloading_size=0.01)
+    assert seg.engine.config.scheduler.max_inject_tokens == 100
+    with pytest.raises(ValueError, match="max_inject_tokens"):
+        LLM(model_dir, preset="sparse-offload", max_inject_tokens=100, page_size=16,
+            layer_segmented_prefill=False,
+            token_budget=64, sink_pages=1, local_pages=1, max_model_len=256,
+            kv_cache_memory_bytes=64 * PAGE_BYTES, kv_offloading_size=0.01)
