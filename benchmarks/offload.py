@@ -12,7 +12,7 @@ prefill  One 32768-token prompt, max_tokens=1: wall time from add_request to the
          nothing ("nosave": kv_offload=False, same sparse settings). Chunked prefill with
          max_num_batched_tokens=16384 (2 chunks; the second gathers its history from DRAM on
          the offload path), then the layer-segmented mode (max_num_batched_tokens=32768,
-         prefill_layers_per_step=4: one chunk, no history) for nosave and flash. One warm-up
+         max_inject_tokens = 4 layers x the prompt: one chunk, no history) for nosave and flash. One warm-up
          prefill per engine (shorter prompt) before the timed ones; the per-page-copy run is
          stopped between steps after --memcpy-budget-s and extrapolated (recorded as cut).
 decode   Batches of B requests: prefill them (chunks of 16384), a few warm-up decode steps,
@@ -98,7 +98,7 @@ def parse_args(argv=None):
                    help="max_num_batched_tokens of the chunked runs (default 16384; 128 smoke)")
     p.add_argument("--prefill-methods", default=",".join(PREFILL_METHODS))
     p.add_argument("--segment-layers", type=int, default=None,
-                   help="prefill_layers_per_step of the segmented runs (default 4; 1 smoke; "
+                   help="layers per step of the segmented runs (default 4; 1 smoke; "
                         "0: no segmented runs)")
     p.add_argument("--segmented-methods", default="nosave,flash")
     p.add_argument("--prefill-reps", type=int, default=None,

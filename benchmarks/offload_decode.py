@@ -218,8 +218,12 @@ def decode_run(b: Bench, plan: dict, kind: str, fraction=None) -> None:
         kw.update(**b.sparse_kwargs(), kv_cache_memory_bytes=(full + 4 * sh.kv_heads)
                   * sh.page_bytes)
     else:
-        slots = mand if fraction == "min" else max(mand, int(math.ceil(fraction * full)))
-        rec["floored_to_mandatory"] = fraction != "min" and fraction * full < mand
+        # never below what the batch selects plus one prompt (a prefill keeps its pages in slots)
+        floor = mand + sh.ids(1, plan["max_model_len"])  # decoders + one prefill
+        slots = floor if fraction == "min" else max(floor, int(math.ceil(fraction * full)))
+        rec["floored_to_mandatory"] = fraction != "min" and fraction * full < floor
+        # a fixed decode batch: no working-set control (it would make requests wait)
+        kw["working_set_control"] = False
         rec["capped_by_memory"] = False
         if b.device == "cuda":
             free = torch.cuda.mem_get_info()[0]

@@ -81,7 +81,7 @@ def prefill_run(b: Bench, mode: str, method: str) -> None:
     kw = {**b.base_kwargs(), **b.sparse_kwargs(), "max_model_len": max_len, "max_num_seqs": 1,
           "max_num_batched_tokens": batched, "enforce_eager": True}
     if segmented:
-        kw["prefill_layers_per_step"] = a.segment_layers
+        kw["max_inject_tokens"] = P * a.segment_layers  # segment_layers layers per step
     ids_needed = sh.ids(1, max_len)
     pinned = None
     if method == "nosave":
@@ -93,12 +93,14 @@ def prefill_run(b: Bench, mode: str, method: str) -> None:
             return
         mandatory = sh.kv_heads * (a.token_budget // a.page_size)
         kw.update(kv_offload=True, kv_offloading_size=(ids_needed + 0.5) * sh.page_bytes / GiB,
-                  kv_cache_memory_bytes=2 * mandatory * sh.page_bytes, d2h_method=method,
+                  # a prefill keeps its prompt's pages in slots
+                  kv_cache_memory_bytes=max(2 * mandatory, sh.ids(1, max_len) + 4 * sh.kv_heads)
+                  * sh.page_bytes, d2h_method=method,
                   h2d_method=a.h2d_method, eviction=a.eviction)
     log(b.deadline, f"{part}: {P}-token prompt, max_num_batched_tokens={batched}"
                     + (f", prefill_layers_per_step={a.segment_layers}" if segmented else ""))
     rec: dict = {"mode": mode, "method": method, "max_num_batched_tokens": batched,
-                 "prefill_layers_per_step": a.segment_layers if segmented else None,
+                 "layers_per_step": a.segment_layers if segmented else None,
                  "host_tier": pinned, "reps": []}
     res[f"{mode}/{method}"] = rec
     rng = np.random.default_rng(a.seed)
