@@ -1,0 +1,126 @@
+"""One end-to-end run of benchmarks/system.py: a trace through LLMEngine.add_request/step, as a
+user of the offline API drives it, with per-step records taken from the scheduler's output.
+
+Every request arrives at t=0 (the offline trace of the end-to-end issue). Per step: wall time
+(the device synchronised after each step, so a step's time is its own), decode rows, prefill
+work (prompt tokens x layers run / layers), pages loaded from DRAM, requests waiting for
+device slots, the admitted working-set estimate. Per request: TTFT, the token times (TBT).
+"""
+from __future__ import annotations
+
+import time
+
+import common as C
+import numpy as np
+
+
+class StepRecorder:
+    """Wraps runner.execute (an instance attribute shadowing the method) to record what each
+    step scheduled: decode rows and prefill token-layers."""
+
+    def __init__(self, runner, num_layers: int) -> None:
+        self.runner = runner
+        self.num_layers = num_layers
+        self.last: dict = {}
+        self._original = runner.execute
+
+    def _execute(self, out):
+        dec = sum(1 for c in out.chunks if c.is_decode)
+        pre = sum(c.num_tokens * (c.layer_end - c.layer_start) for c in out.chunks
+                  if not c.is_decode)
+        self.last = {"decode": dec, "prefill_token_layers": pre,
+                     "prefill_chunks": sum(1 for c in out.chunks if not c.is_decode)}
+        return self._original(out)
+
+    def __enter__(self):
+        self.runner.execute = self._execute
+        return self
+
+    def __exit__(self, *exc):
+        self.runner.__dict__.pop("execute", None)
+
+
+def run_trace(engine, trace: list[dict], device: str, stop_at: float) -> dict:
+    """trace: [{"prompt_token_ids": [...], "max_tokens": n}]. -> metrics + per-step records."""
+    from sparseserve import SamplingParams
+
+    L = engine.config.model.num_hidden_layers
+    stats0 = engine.get_stats()
+    token_times: dict[str, list[float]] = {}
+    ids = [f"r{i}" for i in range(len(trace))]
+    steps: list[dict] = []
+    truncated = False
+    C.synchronize(device)
+    t0 = time.perf_counter()
+    for rid, req in zip(ids, trace):
+        engine.add_request(rid, {"prompt_token_ids": req["prompt_token_ids"]},
+                           SamplingParams(temperature=0.0, max_tokens=req["max_tokens"],
+                                          ignore_eos=True))
+    loaded_prev = stats0.get("pages_loaded_total", 0)
+    with StepRecorder(engine.runner, L) as rec:
+        while engine.has_unfinished_requests():
+            if time.perf_counter() > stop_at:
+                engine.abort_request(ids)
+                truncated = True
+                break
+            ts = time.perf_counter()
+            outs = engine.step()
+            C.synchronize(device)
+            now = time.perf_counter()
+            for o in outs:
+                times = token_times.setdefault(o.request_id, [])
+                n_new = len(o.outputs[0].token_ids) - len(times)
+                times.extend([now - t0] * n_new)
+            st = engine.get_stats()
+            loaded = st.get("pages_loaded_total", 0)
+            steps.append({**rec.last, "t": now - t0, "wall_s": now - ts,
+                          "pages_loaded": loaded - loaded_prev,
+                          "running": st["num_running"], "waiting": st["num_waiting"],
+                          "waiting_for_slots": st.get("num_waiting_for_slots", 0),
+                          "estimated_working_set": st.get("estimated_working_set", 0)})
+            loaded_prev = loaded
+    wall = time.perf_counter() - t0
+    stats1 = engine.get_stats()
+    return summarize_run(trace, ids, token_times, steps, wall, L, stats0, stats1, truncated)
+
+
+def summarize_run(trace, ids, token_times, steps, wall, L, stats0, stats1, truncated) -> dict:
+    out_tokens = sum(len(token_times.get(r, [])) for r in ids)
+    ttft = [token_times[r][0] for r in ids if token_times.get(r)]
+    tbt = [b - a for r in ids for a, b in zip(token_times.get(r, []), token_times.get(r, [])[1:])]
+    prompt_total = sum(len(t["prompt_token_ids"]) for t in trace)
+    pre_steps = [s for s in steps if s.get("prefill_token_layers")]
+    pre_tokens = sum(s["prefill_token_layers"] for s in steps) / L
+    pure = [s for s in steps if not s.get("prefill_token_layers") and s.get("decode")]
+    delta = {k: stats1.get(k, 0) - stats0.get(k, 0) for k in
+             ("num_preemptions_total", "pages_loaded_total", "bytes_loaded_total",
+              "bytes_saved_total", "cache_hits_total", "cache_misses_total")}
+    hits, misses = delta["cache_hits_total"], delta["cache_misses_total"]
+    return {
+        "wall_s": wall, "num_steps": len(steps), "truncated_by_time_budget": truncated,
+        "completed": sum(1 for r, t in zip(ids, trace)
+                         if len(token_times.get(r, [])) == t["max_tokens"]),
+        "num_requests": len(ids),
+        "prompt_tokens": prompt_total, "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / wall,
+        "total_tokens_per_s": (prompt_total + out_tokens) / wall,
+        "ttft_s": C.summarize(ttft), "tbt_ms": C.summarize(tbt, 1e3),
+        "p99_tbt_ms": float(np.percentile(tbt, 99) * 1e3) if tbt else None,
+        "prefill_tokens_processed": pre_tokens,
+        "recomputed_tokens": max(0.0, pre_tokens - prompt_total),
+        "prefill_tokens_per_s_in_prefill_steps": (
+            pre_tokens / sum(s["wall_s"] for s in pre_steps) if pre_steps else None),
+        "pure_decode_steps": len(pure),
+        "pure_decode_ms_per_step": (1e3 * float(np.mean([s["wall_s"] for s in pure]))
+                                    if pure else None),
+        "pure_decode_mean_batch": float(np.mean([s["decode"] for s in pure])) if pure else None,
+        "mean_decode_batch": (float(np.mean([s["decode"] for s in steps if s.get("decode")]))
+                              if any(s.get("decode") for s in steps) else None),
+        "pages_loaded_per_decode_step": (
+            float(np.mean([s["pages_loaded"] for s in steps if s.get("decode")]))
+            if any(s.get("decode") for s in steps) else 0.0),
+        "steps_with_requests_waiting_for_slots": sum(1 for s in steps if s["waiting_for_slots"]),
+        "hit_rate": hits / (hits + misses) if hits + misses else None,
+        **{k.replace("_total", ""): v for k, v in delta.items()},
+        "steps": steps,
+    }
