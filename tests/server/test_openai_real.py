@@ -5,6 +5,7 @@ weights and the same engine."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -133,11 +134,36 @@ def test_bad_input_on_real_engine(real):
                               400, param="prompt", code="context_length_exceeded")
     assert str(MAX_MODEL_LEN) in err["message"]
     assert_openai_error(httpx.post(base + "/v1/completions", json={"model": "gpt-4o", "prompt": "x"}),
-                        400, param="model", code="model_not_found")
+                        404, param="model", code="model_not_found")
+    with pytest.raises(openai.NotFoundError):
+        real["client"].completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=2)
+    body = '{"prompt": "a\\udfffb", "max_tokens": 2}'  # a lone surrogate: 400, not 500
+    r = httpx.post(base + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert_openai_error(r, 400, param="prompt", code="invalid_unicode")
     with pytest.raises(openai.BadRequestError):
         real["client"].completions.create(model=model, prompt=PROMPT, max_tokens=0)
     with pytest.raises(openai.BadRequestError):
         real["client"].chat.completions.create(model=model, messages=CHAT, temperature=-1)
+
+
+def test_small_request_completes_while_a_5mb_prompt_is_rejected(real):
+    base, model = real["srv"].base_url, real["model"]
+    result = {}
+
+    def huge():
+        t0 = time.time()
+        result["r"] = httpx.post(base + "/v1/completions", timeout=120,
+                                 json={"model": model, "prompt": "lorem ipsum " * (5 * 1024 * 1024 // 12)})
+        result["s"] = time.time() - t0
+
+    t = threading.Thread(target=huge)
+    t.start()
+    small = real["client"].completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
+    t.join(120)
+    assert small.choices[0].finish_reason in ("length", "stop")
+    assert_openai_error(result["r"], 400, param="prompt", code="context_length_exceeded")
+    assert result["s"] < 10, f"rejecting the 5 MB prompt took {result['s']:.1f} s"
+    assert pages(real)[0] == pages(real)[1]
 
 
 async def _client(client, model: str, i: int, disconnect: bool) -> str:
