@@ -90,6 +90,9 @@ def check_sampling_params(p: Any) -> None:
         v = getattr(p, name)
         if v is not None and not 0 <= _integer(v, name) <= limit:
             raise ParamError(f"{name} must be in [0, {limit}], got {v}.", name)
+    if p.prompt_logprobs is not None:
+        raise ParamError("prompt_logprobs is not supported by sparseserve yet (the model runner "
+                         "computes logits for sampled positions only); omit it.", "prompt_logprobs")
     if any(not isinstance(s, str) or not s for s in p.stop):
         raise ParamError("stop strings must be non-empty strings.", "stop")
     for t in p.stop_token_ids:

@@ -151,6 +151,10 @@ class CompletionRequest(_SamplingRequest):
         self._check_common()
         if self.suffix:
             raise APIError("suffix is not supported by sparseserve.", param="suffix")
+        if self.echo and self.logprobs is not None:
+            raise APIError("echo with logprobs needs prompt logprobs, which sparseserve does not "
+                           "compute yet; send echo without logprobs, or logprobs without echo.",
+                           param="echo")
         if self.best_of is not None:
             if self.best_of < self.n:
                 raise APIError(f"best_of must be >= n={self.n}, got {self.best_of}.", param="best_of")

@@ -24,8 +24,6 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     params = req.to_sampling_params()
     items = req.prompts()
     ctx.check_request(params, len(items), req.num_samples)
-    if req.echo and params.logprobs is not None and params.prompt_logprobs is None:
-        params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     engine_params = params
     if req.num_samples != params.n:  # best_of: sample more, keep the n most likely
         engine_params = dataclasses.replace(params, n=req.num_samples,
