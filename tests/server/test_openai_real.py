@@ -19,6 +19,7 @@ PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 12
 MAX_MODEL_LEN = 1024
+PENALTIES = dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.2)
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,8 @@ def real():
         "chat": llm.chat(CHAT, greedy, use_tqdm=False)[0],
         "stop": llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=["\n"]),
                              use_tqdm=False)[0],
+        "penalized": llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, **PENALTIES),
+                                  use_tqdm=False)[0],
     }
     app = create_app(llm.engine)
     srv = ServerThread(app).start()
@@ -144,6 +147,42 @@ def test_bad_input_on_real_engine(real):
         real["client"].completions.create(model=model, prompt=PROMPT, max_tokens=0)
     with pytest.raises(openai.BadRequestError):
         real["client"].chat.completions.create(model=model, messages=CHAT, temperature=-1)
+
+
+def test_penalties_logit_bias_echo_best_of(real):
+    client, model, ref = real["client"], real["model"], real["ref"]
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                  frequency_penalty=PENALTIES["frequency_penalty"],
+                                  presence_penalty=PENALTIES["presence_penalty"],
+                                  extra_body={"repetition_penalty": PENALTIES["repetition_penalty"]})
+    assert r.choices[0].text == ref["penalized"].outputs[0].text  # == LLM.generate, same params
+    assert ref["penalized"].outputs[0].text != ref["completion"].outputs[0].text
+    tok_id = ref["completion"].outputs[0].token_ids[0]
+    forced = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0,
+                                       logit_bias={str(tok_id + 1): 100})
+    assert forced.usage.completion_tokens == 3
+    chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=3, temperature=0,
+                                          logit_bias={str(tok_id + 1): 100}, logprobs=True)
+    toks = [t.token for t in chat.choices[0].logprobs.content]
+    assert len(toks) == 3 and len(set(toks)) == 1  # the biased token, every time
+    assert forced.choices[0].text == toks[0] * 3
+    # echo: the prompt, then the completion
+    e = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, echo=True)
+    assert e.choices[0].text == PROMPT + ref["completion"].outputs[0].text
+    es = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                   echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in es if c.choices) == e.choices[0].text
+    # best_of: the n most likely of best_of samples, by cumulative logprob
+    b = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3,
+                                  n=2, best_of=4, logprobs=0)
+    assert [c.index for c in b.choices] == [0, 1]
+    sums = [sum(c.logprobs.token_logprobs) for c in b.choices]
+    assert sums[0] >= sums[1]
+    g = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                  best_of=3)
+    assert [c.text for c in g.choices] == [ref["completion"].outputs[0].text]
+    assert g.choices[0].logprobs is None  # not asked for: not returned
+    assert pages(real)[0] == pages(real)[1]
 
 
 def test_small_request_completes_while_a_5mb_prompt_is_rejected(real):
