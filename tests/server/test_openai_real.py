@@ -255,6 +255,74 @@ def test_32_concurrent_streams_quarter_disconnect(real):
     assert r.choices[0].text
 
 
+def _soak_body(i: int, model: str) -> tuple[str, dict]:
+    """Request i of the soak: completions / chat, penalties, logit_bias, echo, best_of, n."""
+    kind = i % 6
+    body = {"model": model, "max_tokens": 6, "temperature": 0.8, "seed": i}
+    if kind == 0:
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": f"Hi {i}"}],
+                                        "presence_penalty": 1.0, "frequency_penalty": 0.5}
+    if kind == 1:
+        return "/v1/completions", {**body, "prompt": f"{i} apples and", "repetition_penalty": 1.3}
+    if kind == 2:
+        return "/v1/completions", {**body, "prompt": "Once upon a time", "logit_bias": {"13": 5}, "n": 2}
+    if kind == 3:
+        return "/v1/completions", {**body, "prompt": "The sky is", "echo": True, "best_of": 2}
+    if kind == 4:
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Name a colour."}]}], "logprobs": True, "top_logprobs": 2}
+    return "/v1/completions", {**body, "prompt": f"Number {i}:", "min_tokens": 2}
+
+
+def test_soak_300_requests_30_percent_disconnects(real, caplog):
+    base, model = real["srv"].base_url, real["model"]
+    caplog.set_level("WARNING")
+
+    async def one(client: httpx.AsyncClient, sem: asyncio.Semaphore, i: int) -> str:
+        path, body = _soak_body(i, model)
+        drop = i % 10 < 3
+        stream = drop or i % 3 == 0
+        if stream:  # best_of cannot stream
+            body = {**{k: v for k, v in body.items() if k != "best_of"}, "stream": True}
+        async with sem:
+            if not stream:
+                r = await client.post(path, json=body)
+                assert r.status_code == 200, r.text
+                return "ok"
+            async with client.stream("POST", path, json=body) as r:
+                assert r.status_code == 200, await r.aread()
+                n = 0
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        n += 1
+                        if drop and n >= 2:
+                            return "dropped"  # leaving the block closes the connection
+                        if line == "data: [DONE]":
+                            return "ok"
+            return "no-done"
+
+    async def run() -> list[str]:
+        sem = asyncio.Semaphore(16)
+        async with httpx.AsyncClient(base_url=base, timeout=300,
+                                     limits=httpx.Limits(max_connections=32)) as client:
+            return await asyncio.gather(*[one(client, sem, i) for i in range(300)])
+
+    results = asyncio.run(run())
+    assert results.count("dropped") == 90 and results.count("ok") == 210, results
+    deadline = time.time() + 60
+    while True:
+        m = metric_samples(httpx.get(base + "/metrics").text)
+        free, total = pages(real)
+        if (free == total and metric(m, "sparseserve:num_requests_running") == 0
+                and metric(m, "sparseserve:num_requests_waiting") == 0):
+            break
+        assert time.time() < deadline, (free, total)
+        time.sleep(0.2)
+    assert metric(m, "sparseserve:kv_cache_usage_perc") == 0.0
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()], \
+        [r.getMessage() for r in caplog.records]
+
+
 def test_metrics_counters_move(real):
     base = real["srv"].base_url
     before = metric_samples(httpx.get(base + "/metrics").text)
