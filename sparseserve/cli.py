@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 
 def _add_generate(sub) -> None:
@@ -17,23 +18,43 @@ def _add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--json", action="store_true", help="print results as JSON lines")
     EngineArgs.add_cli_args(p)
+
+
+def generate_inputs(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(prompts or conversations, SamplingParams) from the flags, validated with the server's
+    rules (`sparseserve.validation`) so bad values fail before the model loads."""
+    from sparseserve.request import SamplingParams
+    from sparseserve.validation import check_unicode, conversation
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            min_tokens=args.min_tokens, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty,
+                            repetition_penalty=args.repetition_penalty)
+    check_unicode(list(args.prompts), "prompts")
+    if args.chat:
+        convs = [[{"role": "user", "content": p}] for p in args.prompts]
+        for conv in convs:
+            conversation(conv)
+        return convs, params
+    return list(args.prompts), params
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     from sparseserve.engine.args import EngineArgs
     from sparseserve.engine.llm import LLM
-    from sparseserve.request import SamplingParams
 
+    inputs, params = generate_inputs(args)  # before the (slow) model load
     eargs = EngineArgs.from_cli_args(args)
     llm = LLM(**vars(eargs))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k)
-    if args.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
-    else:
-        outs = llm.generate(args.prompts, params)
+    outs = llm.chat(inputs, params) if args.chat else llm.generate(inputs, params)
     for prompt, out in zip(args.prompts, outs):
         o = out.outputs[0]
         if args.json:

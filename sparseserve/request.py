@@ -8,11 +8,20 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens and when to stop; names and defaults follow vLLM.
+    """How to pick tokens and when to stop; names, defaults and rules follow vLLM.
 
     temperature == 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p == 1 and
     min_p == 0 disable those filters. `logprobs` = number of top log-probabilities to return
-    per generated token (plus the sampled token's own).
+    per generated token (plus the sampled token's own); `prompt_logprobs` the same for every
+    prompt token after the first.
+
+    Penalties (vLLM semantics, applied on the device before temperature):
+    * repetition_penalty r (> 0, 1 = off): a logit of a token that occurs in the prompt or the
+      output so far is divided by r when positive and multiplied by r when negative;
+    * frequency_penalty f and presence_penalty p (in [-2, 2]): logit -= f * count + p * (count > 0),
+      count = occurrences of the token in the output so far (not the prompt);
+    * logit_bias {token id: bias}: added to the logit (values clamped to [-100, 100]).
+    Validation: `sparseserve.validation.check_sampling_params` (raises ParamError, a ValueError).
     """
 
     n: int = 1
@@ -20,6 +29,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -27,6 +40,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -40,33 +54,18 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def bad(msg: str) -> None:
-            raise ValueError(msg)
-
-        if not isinstance(self.n, int) or self.n < 1:
-            bad(f"n must be an integer >= 1, got {self.n!r}.")
-        if self.temperature < 0:
-            bad(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable it.")
-        if self.top_k == 0 or self.top_k < -1:
-            if self.top_k != 0:
-                bad(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}.")
-            self.top_k = -1  # 0 also means "disabled", as in many clients
-        if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad(f"max_tokens must be >= 1, got {self.max_tokens}.")
-        if self.min_tokens < 0:
-            bad(f"min_tokens must be >= 0, got {self.min_tokens}.")
-        if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
-            bad(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}.")
-        if any(not s for s in self.stop):
-            bad("stop strings must be non-empty.")
+        """Raise `ParamError` (a ValueError naming the field) if any value is out of range."""
+        from sparseserve.validation import check_sampling_params
+        check_sampling_params(self)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 class RequestStatus(enum.Enum):

@@ -8,6 +8,8 @@ from sparseserve.engine.args import EngineArgs
 from sparseserve.engine.llm_engine import LLMEngine
 from sparseserve.outputs import RequestOutput
 from sparseserve.request import SamplingParams
+from sparseserve.validation import (ParamError, check_logit_bias_vocab, check_unicode,
+                                    conversation)
 
 
 class LLM:
@@ -40,6 +42,7 @@ class LLM:
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts.")
+        self._validate(prompts, params)
         ids = []
         try:
             for prompt, p in zip(prompts, params):
@@ -51,17 +54,44 @@ class LLM:
             self.engine.abort_request(ids)  # nothing stays queued after an error
             raise
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several. Messages follow the server's
+        rules (`sparseserve.validation.conversation`): content is a string or a list of
+        {"type": "text", "text": ...} parts; roles system/user/assistant/developer/tool."""
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("This model has no tokenizer, so chat templates are unavailable.")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [{"prompt_token_ids": tok.apply_chat_template(
-            conv, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)}
-            for conv in conversations]
+        convs = []
+        for i, conv in enumerate(conversations):
+            check_unicode(conv, "messages" if len(conversations) == 1 else f"messages.{i}")
+            convs.append(conversation(conv))
+        extra = {"chat_template": chat_template} if chat_template is not None else {}
+        prompts = []
+        for conv in convs:
+            try:
+                ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                              tokenize=True, return_dict=False, **extra)
+            except Exception as e:  # jinja errors (e.g. roles must alternate)
+                raise ParamError(f"Could not apply the chat template: {e}", "messages") from e
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _validate(self, prompts: list[Any], params: list[SamplingParams]) -> None:
+        """The server's rules before anything is queued: valid SamplingParams, valid Unicode,
+        logit_bias inside the vocabulary."""
+        vocab = self.engine.config.model.vocab_size
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] is a {type(p).__name__}, not SamplingParams.")
+            p.validate()
+            check_logit_bias_vocab(p.logit_bias, vocab)
+            check_unicode(prompt, "prompt" if len(prompts) == 1 else f"prompt.{i}")
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

@@ -1,9 +1,13 @@
 """OpenAI-compatible HTTP server (`sparseserve serve`).
 
 Modules, one job each:
-  serve_cli.py            CLI flags (`add_serve_args`) and the uvicorn run (`run_serve`, `serve_app`)
+  serve_cli.py            CLI flags (`add_serve_args`) and the uvicorn run (`run_serve`, `serve_app`,
+                          forced-shutdown cut and exit code)
+  limits.py               ServerLimits and every server default (max n, sequences, body bytes, ...)
   api.py                  FastAPI app factory `create_app(engine, ...)`: routes, API key, error handlers
-  serving.py              shared request handling: model / n / context-length checks, tokenization
+  body_limit.py           request-body size limit (413) as ASGI middleware
+  serving.py              shared request handling: model / n / size / Unicode / context-length
+                          checks, tokenization in a small thread pool (rules: sparseserve.validation)
   serving_completions.py  POST /v1/completions
   serving_chat.py         POST /v1/chat/completions
   streaming.py            SSE response with disconnect detection, text deltas

@@ -1,5 +1,6 @@
-"""The FastAPI application: OpenAI routes, /health, /version, /metrics, API-key check and
-OpenAI-shaped errors for every failure (400 for bad input instead of FastAPI's 422).
+"""The FastAPI application: OpenAI routes, /health, /version, /metrics, API-key check, a
+request-body size limit (413) and OpenAI-shaped errors for every failure (400 for bad input
+instead of FastAPI's 422).
 
 `create_app(engine, ...)` takes an `LLMEngine` (or anything with its interface) and wraps it
 in an `AsyncLLMEngine` whose loop thread starts now and stops at application shutdown.
@@ -19,10 +20,11 @@ from starlette.responses import JSONResponse, Response
 
 import sparseserve
 from sparseserve.server.async_engine import AsyncLLMEngine
+from sparseserve.server.body_limit import BodyLimitMiddleware
 from sparseserve.server.errors import APIError, error_body, unauthorized, validation_error
+from sparseserve.server.limits import ServerLimits
 from sparseserve.server.metrics import ServerMetrics
 from sparseserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from sparseserve.server.serve_cli import DEFAULT_MAX_N
 from sparseserve.server.serving import ServingContext
 from sparseserve.server.serving_chat import create_chat_completion
 from sparseserve.server.serving_completions import create_completion
@@ -32,15 +34,18 @@ logger = logging.getLogger("sparseserve.server")
 
 def create_app(engine: Any, *, served_model_names: Optional[list[str]] = None,
                api_key: Optional[str] = None, max_waiting_requests: Optional[int] = None,
-               max_n: int = DEFAULT_MAX_N, chat_template: Optional[str] = None,
+               limits: Optional[ServerLimits] = None, chat_template: Optional[str] = None,
                shutdown_timeout_s: float = 30.0) -> FastAPI:
+    """`limits` (see `server.limits`) bound n, sequences per request, the body size and the
+    tokenizer pool; `shutdown_timeout_s` bounds the engine-loop join at application shutdown."""
+    limits = limits or ServerLimits()
     if isinstance(engine, AsyncLLMEngine):
         async_engine = engine
     else:
         names = served_model_names or [getattr(engine, "model_name", None) or "default"]
         metrics = ServerMetrics(names[0], max_model_len=int(engine.max_model_len))
         async_engine = AsyncLLMEngine(engine, metrics=metrics, max_waiting_requests=max_waiting_requests)
-    ctx = ServingContext(async_engine, served_model_names, max_n=max_n, chat_template=chat_template)
+    ctx = ServingContext(async_engine, served_model_names, limits=limits, chat_template=chat_template)
     async_engine.start()
 
     @asynccontextmanager
@@ -56,6 +61,7 @@ def create_app(engine: Any, *, served_model_names: Optional[list[str]] = None,
     _install_error_handlers(app)
     if api_key:
         _install_api_key(app, api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -105,7 +111,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
+        code = "request_too_large" if exc.status_code == 413 else None
+        return JSONResponse(error_body(str(exc.detail), kind, code=code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)

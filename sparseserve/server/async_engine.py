@@ -7,6 +7,9 @@
 * If the loop thread dies (an exception in `step()`), every stream gets `EngineDeadError`,
   `check_health()` raises, and /health answers 503.
 * Metrics are fed from the loop thread (see `metrics.ServerMetrics`).
+* Forced shutdown: `cut_all()` aborts every running request and raises `ServerShutdownError`
+  in its stream, so handlers can still answer (an SSE error event + [DONE], a 503 JSON);
+  `num_cut` counts the requests cut that way (the server's exit code reports it).
 
 This module imports no web framework; it needs only the engine contract
 (`add_request`, `abort_request`, `step`, `has_unfinished_requests`, `get_stats`,
@@ -27,6 +30,10 @@ logger = logging.getLogger("sparseserve.server")
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped (crashed or shut down)."""
+
+
+class ServerShutdownError(EngineDeadError):
+    """The server's shutdown timeout passed while this request was still running: it was cut."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -124,6 +131,7 @@ class AsyncLLMEngine:
         self._num_running = 0
         self._error: Optional[BaseException] = None
         self._stopping = False
+        self.num_cut = 0  # engine requests cut by cut_all() / shutdown (loop thread writes)
         self._thread: Optional[threading.Thread] = None
         self._last_health = time.monotonic()
         self.last_stats: dict[str, Any] = {}
@@ -142,7 +150,13 @@ class AsyncLLMEngine:
         if self._thread is not None and self._thread.is_alive():
             self._cmds.put(("stop",))
             self._thread.join(timeout)
-        self._fail_pending(EngineDeadError("the server is shutting down"))
+        self._fail_pending(ServerShutdownError("the server is shutting down"))
+
+    def cut_all(self) -> None:
+        """Refuse new requests, abort every running one and end its stream with
+        `ServerShutdownError` (thread-safe, returns at once)."""
+        self._stopping = True
+        self._cmds.put(("cut",))
 
     @property
     def is_running(self) -> bool:
@@ -183,7 +197,7 @@ class AsyncLLMEngine:
         """
         self.check_health()
         if self._stopping:
-            raise EngineDeadError("the server is shutting down")
+            raise ServerShutdownError("the server is shutting down")
         if self.max_waiting_requests is not None:
             waiting = self.num_waiting()
             if waiting + len(prompts) > self.max_waiting_requests:
@@ -254,6 +268,8 @@ class AsyncLLMEngine:
                 cmds = self._drain(block=not busy)
                 stop = any(c[0] == "stop" for c in cmds)
                 need_step = self._process([c for c in cmds if c[0] != "stop"])
+                if any(c[0] == "cut" for c in cmds):
+                    need_step = self._abort_all() or need_step
                 if stop:
                     self._abort_all()
                     if self.engine.has_unfinished_requests():
@@ -361,23 +377,33 @@ class AsyncLLMEngine:
         if self.metrics is not None:
             self.metrics.update_stats(stats, extra_waiting=pending)
 
-    def _abort_all(self) -> None:
+    def _abort_all(self) -> bool:
+        """Cut every routed request (ServerShutdownError in its stream); True if any."""
         rids = list(self._routes)
         if rids:
             self.engine.abort_request(rids)
+        cut = ServerShutdownError("the server is shutting down")
         for rid in rids:
             route = self._routes.pop(rid)
             if self.metrics is not None and route.track is not None:
                 self.metrics.observe_abort(route.track)
-            self._deliver(route, (rid, Aborted(rid)))
-        self._fail_pending(EngineDeadError("the server is shutting down"))
+            self._deliver(route, cut)
+        self.num_cut += len(rids)
+        self._fail_pending(cut)
+        return bool(rids)
 
     def _fail_pending(self, exc: BaseException) -> None:
+        """Fail every queued add / call with `exc`; a queued stop stays queued."""
+        keep = []
         while True:
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
+                for c in keep:
+                    self._cmds.put(c)
                 return
+            if cmd[0] == "stop":
+                keep.append(cmd)
             if cmd[0] == "add":
                 with self._lock:
                     self._pending_adds -= 1

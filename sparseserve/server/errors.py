@@ -50,6 +50,40 @@ def engine_dead(reason: str = "") -> APIError:
     return APIError(msg, status=HTTPStatus.SERVICE_UNAVAILABLE, type="server_error", code="engine_dead")
 
 
+def shutting_down(reason: str = "") -> APIError:
+    msg = ("The server is shutting down and cut this request short (its shutdown timeout passed); "
+           "retry it on another server or after the restart.")
+    if reason:
+        msg += f" ({reason})"
+    return APIError(msg, status=HTTPStatus.SERVICE_UNAVAILABLE, type="server_error",
+                    code="server_shutting_down")
+
+
+def engine_failure(exc: BaseException) -> APIError:
+    """The 503 for an exception raised by the engine side (shutdown cut or dead loop)."""
+    from sparseserve.server.async_engine import ServerShutdownError
+    if isinstance(exc, ServerShutdownError):
+        return shutting_down()
+    return engine_dead(str(exc))
+
+
+def model_not_found(model: str, served: list[str]) -> APIError:
+    return APIError(f"The model '{model}' does not exist. This server serves "
+                    f"{', '.join(repr(m) for m in served)}; send one of those as 'model' (or omit it).",
+                    status=HTTPStatus.NOT_FOUND, param="model", code="model_not_found")
+
+
+def payload_too_large(size: int, limit: int) -> APIError:
+    return APIError(f"The request body has {size} bytes; this server accepts at most {limit} "
+                    "(--max-request-body-bytes). Send a shorter prompt.",
+                    status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE, code="request_too_large")
+
+
+def from_param_error(e: Any) -> APIError:
+    """`sparseserve.validation.ParamError` -> 400 with its param and code."""
+    return APIError(str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
+
+
 def _path(loc: tuple) -> str:
     parts = [str(p) for p in loc if p != "body"]
     return ".".join(parts)

@@ -64,3 +64,29 @@ def chat_logprobs(token_ids: list[int], logprobs: Optional[list[dict[int, Any]]]
             ],
         })
     return {"content": content}
+
+
+def prompt_completion_logprobs(token_ids: list[int], prompt_logprobs: Optional[list[Any]], k: int,
+                               decode: Decode) -> dict[str, Any]:
+    """The echoed prompt's part of a completions `logprobs` object. `prompt_logprobs` is
+    vLLM's: one entry per prompt token, None for the first (nothing precedes it), else
+    {token_id: Logprob} with the prompt token and the top-k. Without it (the engine did not
+    compute prompt logprobs) every prompt token gets a null logprob."""
+    out: dict[str, Any] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    offset = 0
+    for i, tid in enumerate(token_ids):
+        entries = prompt_logprobs[i] if prompt_logprobs and i < len(prompt_logprobs) else None
+        lp = entries.get(tid) if entries else None
+        tok = _token_str(tid, lp, decode)
+        out["tokens"].append(tok)
+        out["token_logprobs"].append(_finite(lp.logprob) if lp is not None else None)
+        if entries:
+            top = {_token_str(t, e, decode): _finite(e.logprob) for t, e in _top(entries, k)}
+            if lp is not None:
+                top.setdefault(tok, _finite(lp.logprob))
+            out["top_logprobs"].append(top)
+        else:
+            out["top_logprobs"].append(None)
+        out["text_offset"].append(offset)
+        offset += len(tok)
+    return out

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sparseserve.request import SamplingParams
 from sparseserve.server.errors import APIError
+from sparseserve.validation import ParamError, conversation
 
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
 
@@ -52,45 +53,38 @@ class _SamplingRequest(_Strict):
     # vLLM extensions
     top_k: Optional[int] = None
     min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: Optional[int] = None
+
+    # SamplingParams field -> this request's field, where the names differ
+    _PARAM_NAMES: dict[str, str] = {}
 
     def _check_common(self) -> None:
-        if self.temperature is not None and self.temperature < 0:
-            raise APIError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.",
-                           param="temperature")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise APIError(f"top_p must be in (0, 1], got {self.top_p}.", param="top_p")
-        if self.top_k is not None and (self.top_k < -1):
-            raise APIError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}.",
-                           param="top_k")
-        if self.n < 1:
-            raise APIError(f"n must be >= 1, got {self.n}.", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise APIError(f"{name} is not supported by sparseserve yet; send 0 or omit it.",
-                               param=name)
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported by sparseserve yet.", param="logit_bias")
+        """Checks that only make sense for the HTTP API (the rest: `sparseserve.validation`)."""
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true.",
                            param="stream_options")
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if any(not s for s in stops):
-            raise APIError("stop strings must be non-empty.", param="stop")
 
     def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
         try:
             return SamplingParams(
                 n=self.n,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=-1 if self.top_k is None else self.top_k,
-                min_p=0.0 if self.min_p is None else self.min_p,
+                temperature=pick(self.temperature, 1.0),
+                top_p=pick(self.top_p, 1.0),
+                top_k=pick(self.top_k, -1),
+                min_p=pick(self.min_p, 0.0),
+                presence_penalty=pick(self.presence_penalty, 0.0),
+                frequency_penalty=pick(self.frequency_penalty, 0.0),
+                repetition_penalty=pick(self.repetition_penalty, 1.0),
+                logit_bias=self.logit_bias or None,
                 seed=self.seed,
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
@@ -98,10 +92,17 @@ class _SamplingRequest(_Strict):
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
             )
-        except ValueError as e:
+        except ParamError as e:
+            param = self._PARAM_NAMES.get(e.param or "", e.param)
+            message = str(e)
+            if param != e.param and e.param:
+                message = message.replace(e.param, param, 1)
+            raise APIError(message, param=param, code=e.code) from e
+        except ValueError as e:  # pragma: no cover - every check raises ParamError
             raise APIError(str(e)) from e
 
     @property
@@ -148,18 +149,24 @@ class CompletionRequest(_SamplingRequest):
 
     def to_sampling_params(self) -> SamplingParams:
         self._check_common()
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise APIError(f"max_tokens must be >= 1, got {self.max_tokens}.", param="max_tokens")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.",
-                           param="logprobs")
-        if self.echo:
-            raise APIError("echo is not supported by sparseserve yet.", param="echo")
         if self.suffix:
             raise APIError("suffix is not supported by sparseserve.", param="suffix")
-        if self.best_of not in (None, self.n):
-            raise APIError("best_of is not supported; use n.", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise APIError("echo with logprobs needs prompt logprobs, which sparseserve does not "
+                           "compute yet; send echo without logprobs, or logprobs without echo.",
+                           param="echo")
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise APIError(f"best_of must be >= n={self.n}, got {self.best_of}.", param="best_of")
+            if self.stream and self.best_of > 1:
+                raise APIError("best_of cannot be used with stream (the best sequences are only "
+                               "known at the end); drop best_of or stream.", param="best_of")
         return self._sampling_params(self.max_tokens, self.logprobs)
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated per prompt (best_of when given, else n)."""
+        return self.best_of if self.best_of is not None else self.n
 
 
 class CompletionLogProbs(BaseModel):
@@ -205,19 +212,6 @@ class ChatMessage(_Strict):
     content: Optional[Union[str, list[ChatContentPart]]] = None
     name: Optional[str] = None
 
-    def text(self, index: int) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise APIError(f"messages[{index}]: content part type {part.type!r} is not supported "
-                               "(sparseserve serves text-only models).", param=f"messages.{index}.content")
-            parts.append(part.text)
-        return "\n".join(parts)
-
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
@@ -236,16 +230,18 @@ class ChatCompletionRequest(_SamplingRequest):
     echo: bool = False
 
     def conversation(self) -> list[dict[str, str]]:
-        if not self.messages:
-            raise APIError("messages must contain at least one message.", param="messages")
-        allowed = {"system", "user", "assistant", "developer", "tool"}
-        out = []
-        for i, m in enumerate(self.messages):
-            if m.role not in allowed:
-                raise APIError(f"messages[{i}].role must be one of {sorted(allowed)}, got {m.role!r}.",
-                               param=f"messages.{i}.role")
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": m.text(i)})
-        return out
+        """The messages for the chat template (rules: `sparseserve.validation.conversation`)."""
+        raw = []
+        for m in self.messages:
+            d: dict[str, Any] = {"role": m.role}
+            if "content" in m.model_fields_set:
+                c = m.content
+                d["content"] = c if c is None or isinstance(c, str) else [p.model_dump() for p in c]
+            raw.append(d)
+        try:
+            return conversation(raw)
+        except ParamError as e:
+            raise APIError(str(e), param=e.param, code=e.code) from e
 
     def effective_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -253,24 +249,26 @@ class ChatCompletionRequest(_SamplingRequest):
     def to_sampling_params(self, default_max_tokens: Optional[int] = None) -> SamplingParams:
         self._check_common()
         max_tokens = self.effective_max_tokens()
-        if max_tokens is not None and max_tokens < 1:
-            param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-            raise APIError(f"{param} must be >= 1, got {max_tokens}.", param=param)
-        if self.top_logprobs is not None:
-            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}.",
-                               param="top_logprobs")
-            if not self.logprobs:
-                raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
         if self.tools:
             raise APIError("tools / function calling is not supported by sparseserve yet.", param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise APIError("response_format other than {'type': 'text'} is not supported yet.",
                            param="response_format")
         if self.echo:
-            raise APIError("echo is not supported by sparseserve yet.", param="echo")
+            raise APIError("echo is not supported by /v1/chat/completions in sparseserve; use "
+                           "/v1/completions with echo.", param="echo")
+        names = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        self._PARAM_NAMES = names
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens if max_tokens is not None else default_max_tokens, logprobs)
+
+    @property
+    def num_samples(self) -> int:
+        return self.n
 
 
 class TopLogprob(BaseModel):

@@ -14,8 +14,13 @@ import sys
 import threading
 from typing import Any, Optional
 
+from sparseserve.server.limits import (DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES,
+                                       DEFAULT_MAX_SEQUENCES, DEFAULT_TOKENIZER_WORKERS,
+                                       EXIT_REQUESTS_CUT)
+
 API_KEY_ENV = "SPARSESERVE_API_KEY"
-DEFAULT_MAX_N = 16  # largest `n` a request may ask for unless --max-n says otherwise
+# after the shutdown timeout cut the remaining requests, seconds left to send their final events
+CUT_GRACE_S = 5.0
 
 
 def add_serve_args(subparsers: Any) -> argparse.ArgumentParser:
@@ -43,11 +48,22 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 503 when more requests than this are waiting (default: unlimited)")
     p.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
-                   help=f"largest n a request may ask for (default {DEFAULT_MAX_N})")
+                   help=f"largest n (or best_of) a request may ask for (default {DEFAULT_MAX_N})")
+    p.add_argument("--max-seqs-per-request", type=int, default=DEFAULT_MAX_SEQUENCES,
+                   help="most sequences (prompts x n) one request may start "
+                        f"(default {DEFAULT_MAX_SEQUENCES})")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="larger request bodies answer 413 "
+                        f"(default {DEFAULT_MAX_REQUEST_BODY_BYTES // (1024 * 1024)} MiB)")
+    p.add_argument("--tokenizer-workers", type=int, default=DEFAULT_TOKENIZER_WORKERS,
+                   help="threads that tokenize prompts, off the engine thread "
+                        f"(default {DEFAULT_TOKENIZER_WORKERS})")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template (a file path or the template text) replacing the model's")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+                   help="on SIGTERM, seconds to let in-flight requests finish; then the rest get "
+                        "an error (503 / a final SSE error event) and the exit code is "
+                        f"{EXIT_REQUESTS_CUT}")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -59,6 +75,22 @@ def _chat_template(value: Optional[str]) -> Optional[str]:
         with open(value, encoding="utf-8") as f:
             return f.read()
     return value
+
+
+def server_limits(args: argparse.Namespace) -> Any:
+    """The ServerLimits of the flags (ValueError naming the flag when one is < 1)."""
+    from sparseserve.server.limits import ServerLimits
+
+    flags = {"max_n": "--max-n", "max_sequences": "--max-seqs-per-request",
+             "max_request_body_bytes": "--max-request-body-bytes",
+             "tokenizer_workers": "--tokenizer-workers"}
+    values = {"max_n": args.max_n, "max_sequences": args.max_seqs_per_request,
+              "max_request_body_bytes": args.max_request_body_bytes,
+              "tokenizer_workers": args.tokenizer_workers}
+    for field, flag in flags.items():
+        if values[field] < 1:
+            raise ValueError(f"{flag} must be >= 1, got {values[field]}.")
+    return ServerLimits(**values)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -82,12 +114,11 @@ def run_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         raise ValueError("--max-waiting-requests must be >= 0.")
-    if args.max_n < 1:
-        raise ValueError("--max-n must be >= 1.")
+    limits = server_limits(args)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     app = create_app(engine, served_model_names=args.served_model_name, api_key=api_key,
-                     max_waiting_requests=args.max_waiting_requests, max_n=args.max_n,
+                     max_waiting_requests=args.max_waiting_requests, limits=limits,
                      chat_template=_chat_template(args.chat_template),
                      shutdown_timeout_s=args.shutdown_timeout)
     ctx = app.state.ctx
@@ -101,16 +132,21 @@ def run_serve(args: argparse.Namespace) -> int:
 def serve_app(app: Any, host: str, port: int, log_level: str = "info",
               graceful_timeout_s: float = 30.0) -> int:
     """Run uvicorn until SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up
-    to `graceful_timeout_s` (then cancel them, which aborts their engine requests), stop the
-    engine loop, return 0."""
+    to `graceful_timeout_s`, then cut the rest (each stream gets a final SSE error event and
+    [DONE], each non-streaming request a 503 JSON), stop the engine loop.
+
+    Returns 0 after a clean shutdown, `EXIT_REQUESTS_CUT` when requests had to be cut, 1 when
+    the server did not start."""
     import uvicorn
 
+    engine = getattr(app.state, "engine", None)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=int(max(1, graceful_timeout_s)))
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=int(max(1, graceful_timeout_s) + CUT_GRACE_S))
+    server = _CuttingServer(config, cut_after_s=graceful_timeout_s,
+                            cut=engine.cut_all if engine is not None else None)
     # uvicorn re-raises the captured signal once it has shut down, with the handler that was
     # installed before it started: make those handlers no-ops so that SIGTERM (and Ctrl-C)
-    # end with exit code 0 after the graceful shutdown. (While uvicorn runs, its own handlers
+    # end with our exit code after the graceful shutdown. (While uvicorn runs, its own handlers
     # are in place: a second Ctrl-C still forces the exit.)
     previous = {}
     if threading.current_thread() is threading.main_thread():
@@ -121,7 +157,48 @@ def serve_app(app: Any, host: str, port: int, log_level: str = "info",
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 0 if server.started else 1
+    if not server.started:
+        return 1
+    cut = getattr(engine, "num_cut", 0) if engine is not None else 0
+    if cut:
+        logging.getLogger("sparseserve.server").warning(
+            "shutdown timeout (%.1f s) passed: %d request(s) were cut", graceful_timeout_s, cut)
+        return EXIT_REQUESTS_CUT
+    return 0
+
+
+def _cutting_server_class() -> Any:
+    import asyncio
+
+    import uvicorn
+
+    class CuttingServer(uvicorn.Server):
+        """uvicorn.Server whose shutdown cuts the engine's requests `cut_after_s` seconds in,
+        while their connections are still open, so that handlers can send a final answer
+        before uvicorn's own timeout (cut_after_s + CUT_GRACE_S) would cancel them."""
+
+        def __init__(self, config: Any, cut_after_s: float, cut: Any) -> None:
+            super().__init__(config)
+            self.cut_after_s = cut_after_s
+            self.cut = cut
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            timer = asyncio.ensure_future(self._cut_later()) if self.cut is not None else None
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
+        async def _cut_later(self) -> None:
+            await asyncio.sleep(self.cut_after_s)
+            self.cut()
+
+    return CuttingServer
+
+
+def _CuttingServer(config: Any, cut_after_s: float, cut: Any) -> Any:
+    return _cutting_server_class()(config, cut_after_s, cut)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,22 +1,30 @@
-"""What both OpenAI endpoints share: model-name and `n` checks, tokenization (off the event
-loop, on a private copy of the tokenizer so it never races the engine thread's decoding),
-context-length checks with vLLM's messages, and submitting to the async engine with its
-errors mapped to HTTP errors."""
+"""What both OpenAI endpoints share: model-name, `n` and size checks, valid-Unicode checks,
+tokenization (off the event loop and off the engine thread, in a small pool whose threads each
+own a copy of the tokenizer, after a character-length bound so a huge prompt is rejected
+without being tokenized), context-length checks with vLLM's messages, and submitting to the
+async engine with its errors mapped to HTTP errors."""
 from __future__ import annotations
 
 import asyncio
 import copy
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from sparseserve.server.async_engine import (Aborted, AsyncLLMEngine, EngineDeadError,
                                              EngineOverloadedError, GenerationStream)
-from sparseserve.server.errors import APIError, engine_dead, overloaded
+from sparseserve.server.errors import (APIError, engine_failure, from_param_error, model_not_found,
+                                       overloaded)
+from sparseserve.server.limits import ServerLimits
 from sparseserve.server.protocol import random_id
-from sparseserve.server.serve_cli import DEFAULT_MAX_N
 from sparseserve.server.streaming import until_disconnected
+from sparseserve.validation import (ParamError, check_logit_bias_vocab, check_num_sequences,
+                                    check_prompt_chars, check_unicode)
+
+# chars one token can stand for when a tokenizer has no vocabulary to measure (upper bound)
+_FALLBACK_TOKEN_CHARS = 64
 
 logger = logging.getLogger("sparseserve.server")
 
@@ -64,6 +72,12 @@ class FinalOutputs:
             rows.append((i, o.text, list(o.token_ids), o.logprobs, reason, o.stop_reason))
         return rows
 
+    def cumulative_logprobs(self, rid: str) -> dict[int, float]:
+        """{sample index: cumulative logprob} of one engine request (for best_of)."""
+        out = self.last.get(rid)
+        return {o.index: o.cumulative_logprob for o in out.outputs
+                if o.cumulative_logprob is not None} if out is not None else {}
+
     def usage(self, prompts: list[Prompt]) -> dict[str, int]:
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         completion = sum(len(o.token_ids) for out in self.last.values() for o in out.outputs)
@@ -79,20 +93,27 @@ def request_ids(prefix: str, count: int) -> tuple[str, list[str]]:
 
 class ServingContext:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: Optional[list[str]] = None,
-                 max_n: int = DEFAULT_MAX_N, chat_template: Optional[str] = None) -> None:
+                 limits: Optional[ServerLimits] = None, chat_template: Optional[str] = None) -> None:
         self.engine = engine
         core = engine.engine
         self.served_model_names = list(served_model_names or [getattr(core, "model_name", None) or "default"])
         self.model_name = self.served_model_names[0]
         self.max_model_len = int(core.max_model_len)
-        self.max_n = max_n
+        self.limits = limits or ServerLimits()
+        self.max_n = self.limits.max_n
         self.chat_template = chat_template
-        tok = getattr(core, "tokenizer", None)
-        try:
-            self.tokenizer = copy.deepcopy(tok) if tok is not None else None
-        except Exception:  # pragma: no cover - unpicklable tokenizer: share it
-            self.tokenizer = tok
-        self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparseserve-tokenizer")
+        self.tokenizer = getattr(core, "tokenizer", None)
+        cfg = getattr(core, "config", None)
+        vocab = getattr(getattr(cfg, "model", None), "vocab_size", None)
+        self.vocab_size = int(vocab) if vocab else (len(self.tokenizer) if self.tokenizer is not None else None)
+        self.max_token_chars = 2 * _max_token_chars(self.tokenizer)  # x2: normalisation can merge chars
+        self._local = threading.local()
+        try:  # the event loop's own copy, for decoding logprob tokens
+            self._decode_tok = copy.deepcopy(self.tokenizer)
+        except Exception:  # pragma: no cover
+            self._decode_tok = self.tokenizer
+        self._tok_pool = ThreadPoolExecutor(max_workers=self.limits.tokenizer_workers,
+                                            thread_name_prefix="sparseserve-tokenizer")
 
     def close(self) -> None:
         self._tok_pool.shutdown(wait=False, cancel_futures=True)
@@ -102,13 +123,40 @@ class ServingContext:
     def check_model(self, model: Optional[str]) -> str:
         if model is None or model in self.served_model_names:
             return self.model_name if model is None else model
-        raise APIError(f"The model '{model}' does not exist. This server serves "
-                       f"{', '.join(repr(m) for m in self.served_model_names)}.",
-                       param="model", code="model_not_found")
+        raise model_not_found(model, self.served_model_names)
 
-    def check_n(self, n: int, num_prompts: int = 1) -> None:
-        if n > self.max_n:
-            raise APIError(f"n must be <= {self.max_n} on this server, got {n}.", param="n")
+    @staticmethod
+    def check_unicode(req: Any) -> None:
+        """400 naming the first field whose text is not valid Unicode (a lone surrogate)."""
+        try:
+            check_unicode(req.model_dump(exclude_defaults=True))
+        except ParamError as e:
+            raise from_param_error(e) from e
+
+    def check_request(self, params: Any, num_prompts: int, num_samples: int) -> None:
+        """n / best_of against --max-n, prompts x samples against --max-seqs-per-request,
+        logit_bias and stop_token_ids inside the vocabulary."""
+        if params.n > self.max_n:
+            raise APIError(f"n must be <= {self.max_n} on this server (--max-n), got {params.n}.", param="n")
+        if num_samples > self.max_n:
+            raise APIError(f"best_of must be <= {self.max_n} on this server (--max-n), got {num_samples}.",
+                           param="best_of")
+        try:
+            check_num_sequences(num_prompts, num_samples, self.limits.max_sequences)
+            if self.vocab_size is not None:
+                check_logit_bias_vocab(params.logit_bias, self.vocab_size)
+                bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+                if bad:
+                    raise ParamError(f"stop_token_ids {bad[:8]} are outside the vocabulary "
+                                     f"[0, {self.vocab_size}).", "stop_token_ids")
+        except ParamError as e:
+            raise from_param_error(e) from e
+
+    def check_chars(self, num_chars: int, param: str) -> None:
+        try:
+            check_prompt_chars(num_chars, self.max_model_len, self.max_token_chars, param)
+        except ParamError as e:
+            raise from_param_error(e) from e
 
     def check_length(self, prompt: Prompt, max_tokens: Optional[int], param: str,
                      max_tokens_param: str = "max_tokens") -> None:
@@ -126,30 +174,48 @@ class ServingContext:
                            f"{max_tokens} in the completion). Please reduce the length of the "
                            f"prompt or {max_tokens_param}.", param=max_tokens_param,
                            code="context_length_exceeded")
+        if self.vocab_size is not None and prompt.text is None:
+            bad = [t for t in prompt.token_ids if t >= self.vocab_size]
+            if bad:
+                raise APIError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:8]}.",
+                               param=param, code="invalid_token_id")
 
     # ------------------------------------------------------------------ tokenization
 
-    async def _in_tokenizer_thread(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def _thread_tokenizer(self) -> Any:
+        """This pool thread's own copy of the tokenizer (HF fast tokenizers are not safe to
+        share between threads, and the engine thread decodes with the original)."""
+        tok = getattr(self._local, "tok", None)
+        if tok is None:
+            try:
+                tok = copy.deepcopy(self.tokenizer)
+            except Exception:  # pragma: no cover - an uncopyable tokenizer: share it
+                tok = self.tokenizer
+            self._local.tok = tok
+        return tok
+
+    async def _in_tokenizer_thread(self, fn: Any) -> Any:
+        """Run fn(tokenizer) in the pool with that thread's tokenizer."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tok_pool, lambda: fn(*args, **kwargs))
+        return await loop.run_in_executor(self._tok_pool, lambda: fn(self._thread_tokenizer()))
 
     async def encode(self, item: Any) -> Prompt:
         """A completion prompt (str or {"prompt_token_ids"}) -> Prompt, tokenized as the engine
         tokenizes text (`encode(text, add_special_tokens=True)`)."""
         if isinstance(item, dict):
-            return Prompt(None, list(item["prompt_token_ids"]))  # the engine checks the vocab range
+            return Prompt(None, list(item["prompt_token_ids"]))  # check_length checks the vocab range
         if self.tokenizer is None:
             raise APIError("This model has no tokenizer; send the prompt as token ids.", param="prompt")
-        ids = await self._in_tokenizer_thread(self.tokenizer.encode, item, add_special_tokens=True)
+        self.check_chars(len(item), "prompt")
+        ids = await self._in_tokenizer_thread(lambda tok: tok.encode(item, add_special_tokens=True))
         return Prompt(item, list(ids))
 
     async def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool,
                                   continue_final_message: bool, kwargs: Optional[dict[str, Any]]) -> Prompt:
-        tok = self.tokenizer
-        if tok is None:
+        if self.tokenizer is None:
             raise APIError("This model has no tokenizer, so it cannot serve chat; use /v1/completions "
                            "with token ids.", param="messages")
-        if self.chat_template is None and not getattr(tok, "chat_template", None):
+        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise APIError("This model has no chat template; use /v1/completions or start the "
                            "server with --chat-template.", param="messages")
         if continue_final_message and add_generation_prompt:
@@ -161,7 +227,9 @@ class ServingContext:
         if self.chat_template is not None:
             extra["chat_template"] = self.chat_template
 
-        def render() -> tuple[str, list[int]]:
+        self.check_chars(sum(len(m["content"]) for m in conversation), "messages")
+
+        def render(tok: Any) -> tuple[str, list[int]]:
             text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                            tokenize=False, **extra)
             ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
@@ -181,7 +249,13 @@ class ServingContext:
     def decode_token(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"<{token_id}>"
-        return self.tokenizer.decode([token_id])
+        return self._decode_tok.decode([token_id])
+
+    def decode_tokens(self, token_ids: list[int]) -> str:
+        """Text of a token-id prompt (for echo)."""
+        if self.tokenizer is None:
+            return "".join(f"<{t}>" for t in token_ids)
+        return self._decode_tok.decode(token_ids)
 
     # ------------------------------------------------------------------ engine
 
@@ -191,7 +265,7 @@ class ServingContext:
             return await until_disconnected(raw, FinalOutputs(stream.request_ids).collect(stream),
                                             stream.abort)
         except EngineDeadError as e:
-            raise engine_dead(str(e)) from e
+            raise engine_failure(e) from e
 
     async def submit(self, prompts: list[tuple[str, Prompt]], params: Any, arrival: float,
                      n: int, max_tokens: Optional[int]) -> GenerationStream:
@@ -201,6 +275,20 @@ class ServingContext:
         except EngineOverloadedError as e:
             raise overloaded(e.num_waiting, e.limit) from e
         except EngineDeadError as e:
-            raise engine_dead(str(e)) from e
+            raise engine_failure(e) from e
+        except ParamError as e:
+            raise from_param_error(e) from e
         except ValueError as e:
             raise APIError(str(e)) from e
+
+
+def _max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of `tokenizer` decodes to (an upper bound: vocabulary
+    strings are at least as long as their text)."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return _FALLBACK_TOKEN_CHARS
+    try:
+        return max((len(t) for t in get_vocab()), default=_FALLBACK_TOKEN_CHARS)
+    except Exception:  # pragma: no cover
+        return _FALLBACK_TOKEN_CHARS

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from sparseserve.server.async_engine import Aborted, EngineDeadError, GenerationStream
-from sparseserve.server.errors import APIError, engine_dead
+from sparseserve.server.errors import APIError, engine_failure
 from sparseserve.server.logprobs import chat_logprobs
 from sparseserve.server.protocol import ChatCompletionRequest
 from sparseserve.server.serving import Prompt, ServingContext, request_ids
@@ -19,8 +19,9 @@ from sparseserve.server.streaming import DONE, SSEResponse, TextDeltas, sse
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
     arrival = time.time()
     model = ctx.check_model(req.model)
+    ctx.check_unicode(req)
     params = req.to_sampling_params()
-    ctx.check_n(req.n)
+    ctx.check_request(params, 1, req.num_samples)
     prompt = await ctx.apply_chat_template(req.conversation(), req.add_generation_prompt,
                                            req.continue_final_message, req.chat_template_kwargs)
     max_tokens = req.effective_max_tokens()
@@ -101,7 +102,7 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, stream: Gener
             yield sse({"id": base, "object": "chat.completion.chunk", "created": created, "model": model,
                        "choices": [], "usage": usage()})
     except EngineDeadError as e:
-        yield sse(engine_dead(str(e)).body())
+        yield sse(engine_failure(e).body())
     except APIError as e:
         yield sse(e.body())
     yield DONE

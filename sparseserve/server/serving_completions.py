@@ -1,6 +1,8 @@
 """POST /v1/completions (streaming and not)."""
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from typing import Any, AsyncIterator
 
@@ -8,8 +10,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from sparseserve.server.async_engine import Aborted, EngineDeadError, GenerationStream
-from sparseserve.server.errors import APIError, engine_dead
-from sparseserve.server.logprobs import completion_logprobs
+from sparseserve.server.errors import APIError, engine_failure
+from sparseserve.server.logprobs import completion_logprobs, prompt_completion_logprobs
 from sparseserve.server.protocol import CompletionRequest
 from sparseserve.server.serving import Prompt, ServingContext, request_ids
 from sparseserve.server.streaming import DONE, SSEResponse, TextDeltas, sse
@@ -18,13 +20,20 @@ from sparseserve.server.streaming import DONE, SSEResponse, TextDeltas, sse
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
     arrival = time.time()
     model = ctx.check_model(req.model)
+    ctx.check_unicode(req)
     params = req.to_sampling_params()
-    ctx.check_n(req.n)
-    prompts = [await ctx.encode(item) for item in req.prompts()]
+    items = req.prompts()
+    ctx.check_request(params, len(items), req.num_samples)
+    engine_params = params
+    if req.num_samples != params.n:  # best_of: sample more, keep the n most likely
+        engine_params = dataclasses.replace(params, n=req.num_samples,
+                                            logprobs=0 if params.logprobs is None else params.logprobs)
+    prompts = list(await asyncio.gather(*(ctx.encode(item) for item in items)))
     for p in prompts:
         ctx.check_length(p, req.max_tokens, "prompt")
     base, rids = request_ids("cmpl", len(prompts))
-    stream = await ctx.submit(list(zip(rids, prompts)), params, arrival, req.n, req.max_tokens)
+    stream = await ctx.submit(list(zip(rids, prompts)), engine_params, arrival, req.num_samples,
+                              req.max_tokens)
     created = int(time.time())
     if req.stream:
         return SSEResponse(_stream(ctx, req, stream, base, rids, prompts, model, created),
@@ -36,14 +45,38 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     k = params.logprobs
     choices = []
     for pi, rid in enumerate(rids):
-        for i, text, ids, lps, reason, stop_reason in final.choices(rid, req.n):
-            choices.append({
-                "index": pi * req.n + i, "text": text,
-                "logprobs": completion_logprobs(ids, lps, k, ctx.decode_token) if k is not None else None,
-                "finish_reason": reason, "stop_reason": stop_reason,
-            })
+        rows = final.choices(rid, req.num_samples)
+        if req.num_samples != req.n:
+            rows = best_rows(rows, final.cumulative_logprobs(rid), req.n)
+        echo_text, echo_lp = _echo(ctx, req, prompts[pi], final.last.get(rid), k)
+        for i, text, ids, lps, reason, stop_reason in rows:
+            lp = None
+            if k is not None:
+                lp = completion_logprobs(ids, lps, k, ctx.decode_token, len(echo_text))
+                if echo_lp is not None:
+                    lp = {key: echo_lp[key] + lp[key] for key in lp}
+            choices.append({"index": pi * req.n + i, "text": echo_text + text, "logprobs": lp,
+                            "finish_reason": reason, "stop_reason": stop_reason})
     return JSONResponse({"id": base, "object": "text_completion", "created": created, "model": model,
                          "choices": choices, "usage": final.usage(prompts)})
+
+
+def best_rows(rows: list[tuple], cumulative: dict[int, float], n: int) -> list[tuple]:
+    """The n rows with the highest cumulative logprob, re-indexed 0..n-1 (best_of)."""
+    ranked = sorted(rows, key=lambda r: -cumulative.get(r[0], float("-inf")))[:n]
+    return [(i,) + tuple(r[1:]) for i, r in enumerate(ranked)]
+
+
+def _echo(ctx: ServingContext, req: CompletionRequest, prompt: Prompt, out: Any,
+          k: Any) -> tuple[str, Any]:
+    """(prompt text to prepend, its logprobs in the completion shape or None) for echo."""
+    if not req.echo:
+        return "", None
+    text = prompt.text if prompt.text is not None else ctx.decode_tokens(prompt.token_ids)
+    if k is None:
+        return text, None
+    plps = getattr(out, "prompt_logprobs", None) if out is not None else None
+    return text, prompt_completion_logprobs(prompt.token_ids, plps, k, ctx.decode_token)
 
 
 async def _stream(ctx: ServingContext, req: CompletionRequest, stream: GenerationStream, base: str,
@@ -66,10 +99,18 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, stream: Generatio
             body["usage"] = usage() if req.continuous_usage else None
         return sse(body)
 
+    echoed: dict[int, int] = {}  # prompt index -> characters of echoed prompt text
+
     try:
         async with stream:
             async for rid, out in stream:
                 pi = index[rid]
+                if req.echo and pi not in echoed:  # the prompt first, once per choice
+                    text, lp = _echo(ctx, req, prompts[pi], None if isinstance(out, Aborted) else out, k)
+                    echoed[pi] = len(text)
+                    for i in range(n):
+                        yield chunk({"index": pi * n + i, "text": text, "logprobs": lp,
+                                     "finish_reason": None, "stop_reason": None})
                 if isinstance(out, Aborted):
                     for i in range(n):
                         d = deltas[(pi, i)]
@@ -84,7 +125,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, stream: Generatio
                     if d.finished:
                         continue
                     fin = o.finish_reason is not None
-                    offset = d.sent_chars
+                    offset = echoed.get(pi, 0) + d.sent_chars
                     text = d.text_delta(o.text, fin)
                     s, e = d.new_token_range(len(o.token_ids))
                     lp = None
@@ -100,7 +141,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, stream: Generatio
             yield sse({"id": base, "object": "text_completion", "created": created, "model": model,
                        "choices": [], "usage": usage()})
     except EngineDeadError as e:
-        yield sse(engine_dead(str(e)).body())
+        yield sse(engine_failure(e).body())
     except APIError as e:
         yield sse(e.body())
     yield DONE

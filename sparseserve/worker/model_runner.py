@@ -125,6 +125,7 @@ class ModelRunner:
         chunks = sorted(out.chunks, key=lambda c: not c.is_decode)
         if not chunks:
             return RunnerOutput()
+        self._feed_penalties(chunks)
 
         ids, pos, rows, offsets = [], [], [], []
         n = 0
@@ -215,7 +216,8 @@ class ModelRunner:
         sampling = [c for c in chunks if c.sample]
         result = RunnerOutput(logits=logits if self.keep_logits else None)
         batch = SamplingBatch(params=[self.row_params[c.row] for c in sampling],
-                              num_output_tokens=[c.num_output_tokens for c in sampling])
+                              num_output_tokens=[c.num_output_tokens for c in sampling],
+                              rows=[c.row for c in sampling])
         s = self.sampler(logits, batch)
         if self.offload is not None:
             self.offload.count_working_sets()  # lands with the token copy: no extra sync
@@ -228,6 +230,13 @@ class ModelRunner:
         if s.sampled_logprob is not None:
             self._collect_logprobs(result, sampling, batch, s)
         return result
+
+    def _feed_penalties(self, chunks: list[ScheduledChunk]) -> None:
+        """Tokens entering the KV of requests with penalties (once per chunk: layer_start 0)."""
+        fed = [(c.row, c.request_id, c.token_ids) for c in chunks
+               if c.layer_start == 0 and self.row_params[c.row].has_penalties]
+        if fed:
+            self.sampler.feed(fed, self.cfg.model.vocab_size)
 
     @staticmethod
     def _collect_logprobs(result: RunnerOutput, sampling, batch: SamplingBatch, s) -> None:

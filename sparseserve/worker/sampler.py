@@ -1,7 +1,9 @@
-"""Batched sampling on the device: temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Batched sampling on the device: logit_bias, repetition / frequency / presence penalties
+(see `penalties.py`), temperature, top-k, top-p, min-p, seeds, logprobs.
 
 One pass over the whole batch; per-row parameters are tensors, so no host sync happens per
-request. Seeded rows draw their noise from a generator re-seeded from (seed, number of
+request. Logprobs are those of the raw model distribution (vLLM's default "raw_logprobs"):
+bias and penalties change which token is picked, not the reported logprobs. Seeded rows draw their noise from a generator re-seeded from (seed, number of
 tokens generated so far), which makes a request's samples independent of batching and of
 preemption. Sampling uses the exponential-race trick: argmax(p / E), E ~ Exp(1), which
 draws exactly from p.
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from sparseserve.request import SamplingParams
+from sparseserve.worker.penalties import PenaltyState, apply_logit_bias
 
 
 @dataclass
@@ -21,6 +24,9 @@ class SamplingBatch:
 
     params: list[SamplingParams]
     num_output_tokens: list[int]  # tokens each row generated so far
+    # batch row (the runner's row) of each sampled row: where its penalty state lives;
+    # None = row i of the batch is state row i (standalone use)
+    rows: list[int] | None = None
 
 
 @dataclass
@@ -39,14 +45,34 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._row_gen = torch.Generator(device=device)
 
+        self.penalties = PenaltyState(device)
+
+    def feed(self, fed: list[tuple[int, str, list[int]]], vocab_size: int) -> None:
+        """Tokens entering the KV of rows whose request has penalties, this step:
+        (row, request id, token ids). Call once per step before sampling (see penalties.py)."""
+        self.penalties.feed(fed, vocab_size)
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        # logits [N, V] fp32
+        """logits [N, V] fp32 -> SamplerOutput (token_ids [N] int64 on the device)."""
         params = batch.params
         greedy = [p.greedy for p in params]
+        x = logits
+        pen = [i for i, p in enumerate(params) if p.has_penalties]
+        rows = batch.rows if batch.rows is not None else list(range(len(params)))
+        if pen or any(p.logit_bias for p in params):
+            x = logits.clone()
+            apply_logit_bias(x, params)
+            if pen:
+                pen_rows = [rows[i] for i in pen]
+                self.penalties.prepare(pen_rows, [batch.num_output_tokens[i] for i in pen])
+                pen_idx = torch.tensor(pen, device=logits.device)
+                self.penalties.apply(x, pen_idx, pen_rows, [params[i] for i in pen])
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = x.argmax(dim=-1)
         else:
-            tokens = self._sample(logits, batch, greedy)
+            tokens = self._sample(x, batch, greedy)
+        if pen:
+            self.penalties.record(pen_rows, tokens[pen_idx])
         out = SamplerOutput(token_ids=tokens)
         k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if k is not None:

@@ -31,13 +31,32 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, "model"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": "y" * 400}, "prompt"),               # > max_model_len
     ("/v1/completions", {"prompt": "y" * 200, "max_tokens": 100}, "max_tokens"),  # prompt + max_tokens
-    ("/v1/completions", {"prompt": [1, 2, 99999]}, None),               # token id out of vocab
-    ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, "prompt"),           # token id out of vocab
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": -3}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),  # out of vocab
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids"),
+    ('/v1/completions', '{"prompt": "x", "temperature": NaN}', "temperature"),
+    ('/v1/completions', '{"prompt": "x", "temperature": Infinity}', "temperature"),
+    ('/v1/completions', '{"prompt": "x", "top_p": NaN}', "top_p"),
+    ("/v1/completions", {"prompt": "x", "seed": 2 ** 64}, "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": -(2 ** 63) - 1}, "seed"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
+    ("/v1/completions", {"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "best_of": 17}, "best_of"),
+    ("/v1/completions", {"prompt": ["a"] * 20, "n": 16}, "prompt"),      # prompts x n > 256
+    ('/v1/completions', '{"prompt": "a\\udfffb"}', "prompt"),           # lone surrogate
+    ('/v1/completions', '{"prompt": ["ok", "a\\ud800"]}', "prompt.1"),
+    ('/v1/completions', '{"prompt": "x", "stop": ["\\udfff"]}', "stop.0"),
     ("/v1/chat/completions", "{", None),
     ("/v1/chat/completions", {"model": "fake-model"}, "messages"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
@@ -48,7 +67,18 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "temperature": -1}, "temperature"),
     ("/v1/chat/completions", {"messages": CHAT, "n": 1000}, "n"),
-    ("/v1/chat/completions", {"messages": CHAT, "model": "nope"}, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": CHAT, "min_tokens": 5, "max_completion_tokens": 2},
+     "min_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ('/v1/chat/completions', '{"messages": [{"role": "user", "content": "a\\udfffb"}]}',
+     "messages.0.content"),
+    ('/v1/chat/completions',
+     '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+     "messages.0.content.0.text"),
+    ('/v1/chat/completions', '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+     "temperature"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "z" * 400}]}, "messages"),
@@ -85,6 +115,32 @@ def test_bad_input_is_400_with_openai_error(server, path, body, param):
         # still serving
         ok = c.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2})
         assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "x", "model": "gpt-4"}),
+                                       ("/v1/chat/completions", {"messages": CHAT, "model": "nope"})])
+def test_unknown_model_is_404_model_not_found(server, path, body):
+    srv, _ = server
+    err = assert_openai_error(httpx.post(srv.base_url + path, json=body), 404, param="model",
+                              code="model_not_found")
+    assert "fake-model" in err["message"]
+
+
+def test_openai_client_raises_not_found_for_unknown_model(server):
+    openai = pytest.importorskip("openai")
+    srv, _ = server
+    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+
+
+def test_every_error_param_is_set(server):
+    """min_p / min_tokens / token-id errors name their field (they used to say null)."""
+    srv, _ = server
+    for body, param in [({"prompt": "x", "min_p": -1}, "min_p"),
+                        ({"prompt": "x", "min_tokens": 99, "max_tokens": 3}, "min_tokens"),
+                        ({"prompt": [5, 100000]}, "prompt")]:
+        assert_openai_error(httpx.post(srv.base_url + "/v1/completions", json=body), 400, param=param)
 
 
 def test_context_length_message_is_vllm_like(server):

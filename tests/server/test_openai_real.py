@@ -5,6 +5,7 @@ weights and the same engine."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -18,6 +19,7 @@ PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 12
 MAX_MODEL_LEN = 1024
+PENALTIES = dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.2)
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,8 @@ def real():
         "chat": llm.chat(CHAT, greedy, use_tqdm=False)[0],
         "stop": llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=["\n"]),
                              use_tqdm=False)[0],
+        "penalized": llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, **PENALTIES),
+                                  use_tqdm=False)[0],
     }
     app = create_app(llm.engine)
     srv = ServerThread(app).start()
@@ -133,11 +137,72 @@ def test_bad_input_on_real_engine(real):
                               400, param="prompt", code="context_length_exceeded")
     assert str(MAX_MODEL_LEN) in err["message"]
     assert_openai_error(httpx.post(base + "/v1/completions", json={"model": "gpt-4o", "prompt": "x"}),
-                        400, param="model", code="model_not_found")
+                        404, param="model", code="model_not_found")
+    with pytest.raises(openai.NotFoundError):
+        real["client"].completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=2)
+    body = '{"prompt": "a\\udfffb", "max_tokens": 2}'  # a lone surrogate: 400, not 500
+    r = httpx.post(base + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert_openai_error(r, 400, param="prompt", code="invalid_unicode")
     with pytest.raises(openai.BadRequestError):
         real["client"].completions.create(model=model, prompt=PROMPT, max_tokens=0)
     with pytest.raises(openai.BadRequestError):
         real["client"].chat.completions.create(model=model, messages=CHAT, temperature=-1)
+
+
+def test_penalties_logit_bias_echo_best_of(real):
+    client, model, ref = real["client"], real["model"], real["ref"]
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                  frequency_penalty=PENALTIES["frequency_penalty"],
+                                  presence_penalty=PENALTIES["presence_penalty"],
+                                  extra_body={"repetition_penalty": PENALTIES["repetition_penalty"]})
+    assert r.choices[0].text == ref["penalized"].outputs[0].text  # == LLM.generate, same params
+    assert ref["penalized"].outputs[0].text != ref["completion"].outputs[0].text
+    tok_id = ref["completion"].outputs[0].token_ids[0]
+    forced = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0,
+                                       logit_bias={str(tok_id + 1): 100})
+    assert forced.usage.completion_tokens == 3
+    chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=3, temperature=0,
+                                          logit_bias={str(tok_id + 1): 100}, logprobs=True)
+    toks = [t.token for t in chat.choices[0].logprobs.content]
+    assert len(toks) == 3 and len(set(toks)) == 1  # the biased token, every time
+    assert forced.choices[0].text == toks[0] * 3
+    # echo: the prompt, then the completion
+    e = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, echo=True)
+    assert e.choices[0].text == PROMPT + ref["completion"].outputs[0].text
+    es = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                   echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in es if c.choices) == e.choices[0].text
+    # best_of: the n most likely of best_of samples, by cumulative logprob
+    b = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3,
+                                  n=2, best_of=4, logprobs=0)
+    assert [c.index for c in b.choices] == [0, 1]
+    sums = [sum(c.logprobs.token_logprobs) for c in b.choices]
+    assert sums[0] >= sums[1]
+    g = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                  best_of=3)
+    assert [c.text for c in g.choices] == [ref["completion"].outputs[0].text]
+    assert g.choices[0].logprobs is None  # not asked for: not returned
+    assert pages(real)[0] == pages(real)[1]
+
+
+def test_small_request_completes_while_a_5mb_prompt_is_rejected(real):
+    base, model = real["srv"].base_url, real["model"]
+    result = {}
+
+    def huge():
+        t0 = time.time()
+        result["r"] = httpx.post(base + "/v1/completions", timeout=120,
+                                 json={"model": model, "prompt": "lorem ipsum " * (5 * 1024 * 1024 // 12)})
+        result["s"] = time.time() - t0
+
+    t = threading.Thread(target=huge)
+    t.start()
+    small = real["client"].completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
+    t.join(120)
+    assert small.choices[0].finish_reason in ("length", "stop")
+    assert_openai_error(result["r"], 400, param="prompt", code="context_length_exceeded")
+    assert result["s"] < 10, f"rejecting the 5 MB prompt took {result['s']:.1f} s"
+    assert pages(real)[0] == pages(real)[1]
 
 
 async def _client(client, model: str, i: int, disconnect: bool) -> str:
@@ -188,6 +253,74 @@ def test_32_concurrent_streams_quarter_disconnect(real):
     assert httpx.get(base + "/health").status_code == 200
     r = real["client"].completions.create(model=real["model"], prompt=PROMPT, max_tokens=2, temperature=0)
     assert r.choices[0].text
+
+
+def _soak_body(i: int, model: str) -> tuple[str, dict]:
+    """Request i of the soak: completions / chat, penalties, logit_bias, echo, best_of, n."""
+    kind = i % 6
+    body = {"model": model, "max_tokens": 6, "temperature": 0.8, "seed": i}
+    if kind == 0:
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": f"Hi {i}"}],
+                                        "presence_penalty": 1.0, "frequency_penalty": 0.5}
+    if kind == 1:
+        return "/v1/completions", {**body, "prompt": f"{i} apples and", "repetition_penalty": 1.3}
+    if kind == 2:
+        return "/v1/completions", {**body, "prompt": "Once upon a time", "logit_bias": {"13": 5}, "n": 2}
+    if kind == 3:
+        return "/v1/completions", {**body, "prompt": "The sky is", "echo": True, "best_of": 2}
+    if kind == 4:
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Name a colour."}]}], "logprobs": True, "top_logprobs": 2}
+    return "/v1/completions", {**body, "prompt": f"Number {i}:", "min_tokens": 2}
+
+
+def test_soak_300_requests_30_percent_disconnects(real, caplog):
+    base, model = real["srv"].base_url, real["model"]
+    caplog.set_level("WARNING")
+
+    async def one(client: httpx.AsyncClient, sem: asyncio.Semaphore, i: int) -> str:
+        path, body = _soak_body(i, model)
+        drop = i % 10 < 3
+        stream = drop or i % 3 == 0
+        if stream:  # best_of cannot stream
+            body = {**{k: v for k, v in body.items() if k != "best_of"}, "stream": True}
+        async with sem:
+            if not stream:
+                r = await client.post(path, json=body)
+                assert r.status_code == 200, r.text
+                return "ok"
+            async with client.stream("POST", path, json=body) as r:
+                assert r.status_code == 200, await r.aread()
+                n = 0
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        n += 1
+                        if drop and n >= 2:
+                            return "dropped"  # leaving the block closes the connection
+                        if line == "data: [DONE]":
+                            return "ok"
+            return "no-done"
+
+    async def run() -> list[str]:
+        sem = asyncio.Semaphore(16)
+        async with httpx.AsyncClient(base_url=base, timeout=300,
+                                     limits=httpx.Limits(max_connections=32)) as client:
+            return await asyncio.gather(*[one(client, sem, i) for i in range(300)])
+
+    results = asyncio.run(run())
+    assert results.count("dropped") == 90 and results.count("ok") == 210, results
+    deadline = time.time() + 60
+    while True:
+        m = metric_samples(httpx.get(base + "/metrics").text)
+        free, total = pages(real)
+        if (free == total and metric(m, "sparseserve:num_requests_running") == 0
+                and metric(m, "sparseserve:num_requests_waiting") == 0):
+            break
+        assert time.time() < deadline, (free, total)
+        time.sleep(0.2)
+    assert metric(m, "sparseserve:kv_cache_usage_perc") == 0.0
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()], \
+        [r.getMessage() for r in caplog.records]
 
 
 def test_metrics_counters_move(real):

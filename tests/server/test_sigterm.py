@@ -1,5 +1,6 @@
-"""SIGTERM: stop accepting, finish (or, past the shutdown timeout, abort) in-flight requests,
-free every page, exit 0. Runs the real `serve_app` path in a subprocess around the fake engine."""
+"""SIGTERM: stop accepting, finish in-flight requests (exit 0) or, past the shutdown timeout,
+cut them with a final answer (SSE error event + [DONE]; 503 JSON) and exit 3; free every page;
+no traceback in the log. Runs the real `serve_app` path in a subprocess around the fake engine."""
 from __future__ import annotations
 
 import os
@@ -52,29 +53,55 @@ def stream_in_thread(port: int, max_tokens: int, started: threading.Event, resul
     return t
 
 
-@pytest.mark.parametrize("timeout,max_tokens,finishes", [(30.0, 40, True), (1.0, 2000, False)],
-                         ids=["in-flight-finishes", "past-timeout-aborted"])
-def test_sigterm_graceful_exit_0(timeout, max_tokens, finishes):
+def post_in_thread(port: int, max_tokens: int, result: dict) -> threading.Thread:
+    def run():
+        try:
+            result["response"] = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                                            json={"prompt": "x", "max_tokens": max_tokens})
+        except httpx.HTTPError as e:
+            result["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("timeout,max_tokens,finishes", [(30.0, 40, True), (1.0, 250, False)],
+                         ids=["in-flight-finishes", "past-timeout-cut"])
+def test_sigterm_graceful_exit(timeout, max_tokens, finishes):
     port = free_port()
     proc = start(port, timeout)
     try:
-        started, result = threading.Event(), {}
+        started, result, plain = threading.Event(), {}, {}
         t = stream_in_thread(port, max_tokens, started, result)
+        t2 = post_in_thread(port, max_tokens, plain)
         assert started.wait(30)
+        time.sleep(0.2)  # the non-streaming request is in the engine too
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         with pytest.raises(httpx.TransportError):  # no longer accepting
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
         out, _ = proc.communicate(timeout=60)
         t.join(30)
+        t2.join(30)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, out
     assert "EXIT pages 4096/4096 unfinished=0" in out, out
+    assert "Traceback" not in out and "CancelledError" not in out, out
+    events = sse_events(result["lines"])  # ends with [DONE] in both cases
     if finishes:
-        events = sse_events(result["lines"])
+        assert proc.returncode == 0, out
         assert events[-1]["choices"][0]["finish_reason"] == "length"
         assert sum(len(ev["choices"][0]["text"].encode()) for ev in events) > 0
-    else:  # the stream was cut: no [DONE]
-        assert "data: [DONE]" not in result.get("lines", [])
+        assert plain["response"].status_code == 200
+        assert plain["response"].json()["choices"][0]["finish_reason"] == "length"
+    else:  # cut: a final error event, a shaped 503, a non-zero exit code
+        assert proc.returncode == 3, out
+        assert any("text" in (ev.get("choices") or [{}])[0] for ev in events[:-1])
+        err = events[-1]["error"]
+        assert err["code"] == "server_shutting_down" and err["type"] == "server_error"
+        resp = plain["response"]
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["error"]["code"] == "server_shutting_down"
+        assert "cut" in out  # the log says why the exit code is not 0

@@ -1,0 +1,131 @@
+"""Repetition / frequency / presence penalties and logit_bias, batched on the device.
+
+State per batch row, on the device, for the rows whose request has penalties (allocated on
+first use, grown to the highest row seen):
+  seen   [R, V] bool   token occurs in the request's prompt or output so far
+  counts [R, V] int32  occurrences of the token in the output so far
+
+It is kept up to date without any host sync: `feed` scatters the tokens entering a row's KV
+this step (prompt chunks, decode tokens) into `seen`; `record` adds each sampled token to
+`counts` and `seen` (device index ops on the sampled-token tensor). A row is re-bound (and
+zeroed) when a different request takes it. A request resumed on a new row after preemption
+by recompute re-feeds prompt + output tokens; its counts are rebuilt at its first sampling
+from the last `num_output_tokens` tokens fed (kept on the host only until that first sample).
+
+Formulas (vLLM, OpenAI), applied to the logits before temperature:
+  logit_bias:          x[t] += bias[t]
+  repetition penalty:  x[t] = x[t] / r if x[t] > 0 else x[t] * r,  for t in seen
+  frequency/presence:  x[t] -= f * counts[t] + p * (counts[t] > 0)
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+
+class PenaltyState:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seen: torch.Tensor | None = None    # [R, V] bool
+        self.counts: torch.Tensor | None = None  # [R, V] int32
+        self.bound: dict[int, str] = {}          # row -> request id whose state it holds
+        self.num_recorded: dict[int, int] = {}   # row -> output tokens counted in `counts`
+        self.pending: dict[int, list[int]] = {}  # row -> tokens fed before its first sample
+
+    def _ensure(self, max_row: int, vocab: int) -> None:
+        rows = 0 if self.seen is None else self.seen.shape[0]
+        if self.seen is not None and max_row < rows and self.seen.shape[1] == vocab:
+            return
+        new_rows = max(max_row + 1, 2 * rows, 8)
+        seen = torch.zeros((new_rows, vocab), dtype=torch.bool, device=self.device)
+        counts = torch.zeros((new_rows, vocab), dtype=torch.int32, device=self.device)
+        if self.seen is not None and self.seen.shape[1] == vocab:
+            seen[:rows] = self.seen
+            counts[:rows] = self.counts
+        self.seen, self.counts = seen, counts
+
+    def feed(self, fed: Sequence[tuple[int, str, Sequence[int]]], vocab: int) -> None:
+        """Tokens entering each penalized row's KV this step: (row, request id, token ids)."""
+        if not fed:
+            return
+        self._ensure(max(r for r, _, _ in fed), vocab)
+        reset, rows, toks = [], [], []
+        for row, rid, ids in fed:
+            if self.bound.get(row) != rid:
+                self.bound[row] = rid
+                self.num_recorded[row] = 0
+                self.pending[row] = []
+                reset.append(row)
+            if row in self.pending:
+                self.pending[row].extend(ids)
+            rows.extend([row] * len(ids))
+            toks.extend(ids)
+        if reset:
+            idx = torch.tensor(reset, device=self.device)
+            self.seen[idx] = False
+            self.counts[idx] = 0
+        if toks:
+            self.seen[torch.tensor(rows, device=self.device), torch.tensor(toks, device=self.device)] = True
+
+    def prepare(self, rows: Sequence[int], num_output_tokens: Sequence[int]) -> None:
+        """Before sampling: rebuild the counts of rows whose request resumed with outputs the
+        state has not counted (preemption by recompute onto a fresh row)."""
+        for row, k in zip(rows, num_output_tokens):
+            if self.num_recorded.get(row, 0) != k:
+                fed = self.pending.get(row) or []
+                outs = fed[len(fed) - k:] if k else []
+                self.counts[row] = 0
+                if outs:
+                    t = torch.tensor(outs, device=self.device)
+                    self.counts[row].index_add_(0, t, torch.ones_like(t, dtype=torch.int32))
+                self.num_recorded[row] = k
+            self.pending.pop(row, None)
+
+    def apply(self, logits: torch.Tensor, batch_idx: torch.Tensor, rows: Sequence[int],
+              params: Sequence[Any]) -> None:
+        """In place on logits [N, V]: penalties for the batch rows `batch_idx` [P] whose
+        state rows are `rows` (len P) and whose SamplingParams are `params`."""
+        dev = logits.device
+        state_rows = torch.tensor(list(rows), device=dev)
+        x = logits[batch_idx]
+        rep = torch.tensor([p.repetition_penalty for p in params], device=dev, dtype=x.dtype)
+        freq = torch.tensor([p.frequency_penalty for p in params], device=dev, dtype=x.dtype)
+        pres = torch.tensor([p.presence_penalty for p in params], device=dev, dtype=x.dtype)
+        seen = self.seen[state_rows]
+        counts = self.counts[state_rows].to(x.dtype)
+        pen = torch.where(seen, rep[:, None], torch.ones_like(x))
+        x = torch.where(x > 0, x / pen, x * pen)
+        x = x - freq[:, None] * counts - pres[:, None] * (counts > 0).to(x.dtype)
+        logits[batch_idx] = x
+
+    def record(self, rows: Sequence[int], sampled: torch.Tensor) -> None:
+        """After sampling: sampled [P] int64 (device) are the new output tokens of `rows`."""
+        idx = torch.tensor(list(rows), device=sampled.device)
+        self.counts.index_put_((idx, sampled), torch.ones_like(sampled, dtype=torch.int32),
+                               accumulate=True)
+        self.seen[idx, sampled] = True
+        for row in rows:
+            self.num_recorded[row] = self.num_recorded.get(row, 0) + 1
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[Any]) -> None:
+    """In place: logits[i, t] += params[i].logit_bias[t]. Each SamplingParams caches its bias
+    as two device tensors, so a step costs one concatenation and one index_put."""
+    dev = logits.device
+    rows, toks, vals = [], [], []
+    for i, p in enumerate(params):
+        if not p.logit_bias:
+            continue
+        cached = getattr(p, "_logit_bias_tensors", None)
+        if cached is None or cached[0].device != dev:
+            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=dev)
+            v = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=dev)
+            cached = (ids, v)
+            object.__setattr__(p, "_logit_bias_tensors", cached)
+        rows.append(torch.full_like(cached[0], i))
+        toks.append(cached[0])
+        vals.append(cached[1])
+    if rows:
+        logits.index_put_((torch.cat(rows), torch.cat(toks)), torch.cat(vals).to(logits.dtype),
+                          accumulate=True)
