@@ -15,7 +15,7 @@ def _fmt(v: Any, digits: int = 2) -> str:
     if v is None:
         return "n/a"
     if isinstance(v, float):
-        return f"{v:.{digits}f}"
+        return f"{v:.0f}" if v.is_integer() and abs(v) < 1e15 else f"{v:.{digits}f}"
     return str(v)
 
 
