@@ -13,6 +13,7 @@ dummy config the server is named after).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import shlex
 from typing import Any, Optional
@@ -120,8 +121,12 @@ def build_engine(engine_args: Optional[str], model: Optional[str]) -> Any:
     return LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
 
 
+@functools.lru_cache(maxsize=4)  # a GGUF tokenizer takes seconds to rebuild; runs in one
 def client_tokenizer(tokenizer: Optional[str], model: Optional[str]) -> tuple[Any, Optional[int]]:
-    """(tokenizer or None, vocab size or None) for HTTP runs; see the module docstring."""
+    """(tokenizer or None, vocab size or None) for HTTP runs; see the module docstring.
+
+    Cached per (tokenizer, model) for drivers that run many benchmarks in one process; the
+    tokenizer is only read (encode / decode), never changed."""
     import os
 
     from sparseserve.model.loader.dummy import builtin_model_config, find_builtin

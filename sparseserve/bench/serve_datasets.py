@@ -106,7 +106,7 @@ def build_requests(dataset_name: str, num_prompts: int, seed: int, tokenizer: An
     if tokenizer is None and not vocab_size:
         raise ValueError("without a tokenizer the benchmark needs the model's vocabulary size "
                          "to draw random token ids; pass --tokenizer or --vocab-size.")
-    vocab = vocab_size or len(tokenizer)
+    vocab = vocab_size or tokenizer.vocab_size  # base vocabulary: ids every engine accepts
     as_text = tokenizer is not None and not token_ids
     rng = np.random.default_rng(seed)
     if dataset_name == "random":

@@ -83,3 +83,13 @@ def test_code_tokens_per_word_factor_is_the_measured_one(smollm2_tokenizer):
         words += len(raw.split())
         tokens += len(smollm2_tokenizer.encode(raw, add_special_tokens=False))
     assert tokens / words == pytest.approx(TOKENS_PER_UNIT["code words"], rel=0.05)
+
+
+def test_prompt_source_for_http_runs():
+    """Dummy models served under a built-in name get token ids below its vocabulary size."""
+    from sparseserve.bench.serve_cli import client_tokenizer
+    assert client_tokenizer(None, "llama-3-8b") == (None, 128256)
+    assert client_tokenizer("none", "lwm-7b") == (None, 32000)
+    assert client_tokenizer(None, "some-server-name") == (None, None)
+    with pytest.raises(ValueError, match="vocabulary size"):
+        build_requests("random", 2, seed=0)

@@ -36,6 +36,10 @@ def server():
                              "--uvicorn-log-level", "warning"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
+    # while the server loads: fill the client's tokenizer cache (seconds for the GGUF one)
+    from sparseserve.bench.serve_cli import client_tokenizer
+    from sparseserve.model.loader.source import DEFAULT_MODEL_NAME
+    client_tokenizer(None, DEFAULT_MODEL_NAME)
     deadline = time.time() + 180
     while True:
         if proc.poll() is not None:
@@ -126,8 +130,10 @@ def test_inf_rate_token_ids_python_api_round_trips(server, tmp_path):
 
 def test_failed_requests_are_counted_not_dropped(server, tmp_path, capsys):
     rc, r = bench(["--port", str(server["port"]), "--num-prompts", "3", "--random-input-len", "16",
-                   "--random-output-len", "4", "--top-p", "5"], tmp_path, "failed.json")
+                   "--random-output-len", "4", "--top-p", "5", "--tokenizer", "none",
+                   "--vocab-size", "49152"], tmp_path, "failed.json")
     assert rc == 1
+    assert r["prompt_format"] == "token-ids"
     assert r["completed"] == 0 and r["failed"] == 3 and len(r["errors"]) == 3
     assert all("HTTP 400" in e and "top_p" in e for e in r["errors"])
     assert r["mean_ttft_ms"] is None and r["request_throughput"] == 0.0
