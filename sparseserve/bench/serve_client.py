@@ -115,7 +115,11 @@ class HTTPBackend:
 
     async def send(self, req: BenchRequest) -> RequestResult:
         res = RequestResult(prompt_len=req.prompt_len, dataset=req.dataset)
-        body = self.payload(req)
+        try:
+            body = self.payload(req)
+        except ValueError as e:  # a request this endpoint cannot take: a failed request
+            res.error = str(e)
+            return res
         start = res.start_time = time.perf_counter()
         last: Optional[float] = None
         events, texts, finish, usage, done = 0, [], None, None, False
