@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     from sparseserve.bench.fidelity_cli import add_eval_args
     add_eval_args(sub)
+    from sparseserve.bench.serve_cli import add_bench_args
+    add_bench_args(sub)
     try:
         from sparseserve.server.serve_cli import add_serve_args
         add_serve_args(sub)
@@ -82,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _run_generate(args)
+        if args.command == "bench":
+            from sparseserve.bench.serve_cli import run_bench
+            return run_bench(args)
         if args.command == "eval":
             from sparseserve.bench.fidelity_cli import run_eval
             return run_eval(args)
