@@ -46,6 +46,7 @@ _STAT_COUNTERS = {
     "cache_misses_total": "cache_misses",
     "bytes_loaded_total": "bytes_loaded",
     "bytes_saved_total": "bytes_saved",
+    "pages_loaded_total": "pages_loaded",
 }
 
 
@@ -104,6 +105,15 @@ class ServerMetrics:
         self.cache_misses = counter("kv_cache_misses",
                                     "Selected KV pages loaded from the host tier (two-tier cache).")
         self.bytes_loaded = counter("kv_bytes_loaded", "KV bytes copied host -> device.")
+        self.pages_loaded = counter("kv_pages_loaded", "KV pages copied host -> device.")
+        self.waiting_for_slots = gauge(
+            "num_requests_waiting_for_slots",
+            "Requests the last step left waiting because their device working sets did not fit "
+            "the device cache (two-tier cache).")
+        self.working_set = gauge(
+            "estimated_working_set_slots",
+            "Device slots per layer the last step's requests were estimated to need "
+            "(working-set-aware batch control).")
         self.bytes_saved = counter("kv_bytes_saved", "KV bytes copied device -> host.")
         self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                          TTFT_BUCKETS)
@@ -141,6 +151,8 @@ class ServerMetrics:
         self.num_waiting.set(stats.get("num_waiting", 0) + extra_waiting)
         self.kv_usage.set(stats.get("device_kv_usage", 0.0))
         self.host_kv_usage.set(stats.get("host_kv_usage", 0.0))
+        self.waiting_for_slots.set(stats.get("num_waiting_for_slots", 0))
+        self.working_set.set(stats.get("estimated_working_set", 0))
         for key, attr in _STAT_COUNTERS.items():
             total = float(stats.get(key, 0) or 0)
             delta = total - self._last_totals.get(key, 0.0)

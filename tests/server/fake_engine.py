@@ -235,6 +235,9 @@ class FakeEngine:
             "cache_misses_total": self.steps,
             "bytes_loaded_total": 4096 * self.steps,
             "bytes_saved_total": 1024 * self.steps,
+            "pages_loaded_total": 2 * self.steps,
+            "num_waiting_for_slots": 0,
+            "estimated_working_set": 0,
         }
 
     def check_health(self) -> None:

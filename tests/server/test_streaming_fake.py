@@ -198,7 +198,8 @@ def test_metrics_move(start_fake_server):
     assert metric(before, "sparseserve:num_requests_running") == 0
     for name in ("prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
                  "kv_cache_hits_total", "kv_cache_misses_total", "kv_bytes_loaded_total",
-                 "kv_bytes_saved_total"):
+                 "kv_bytes_saved_total", "kv_pages_loaded_total",
+                 "num_requests_waiting_for_slots", "estimated_working_set_slots"):
         assert metric(before, "sparseserve:" + name) == 0
     httpx.post(srv.base_url + "/v1/completions", json={"prompt": "abc", "max_tokens": 7}, timeout=30)
     httpx.post(srv.base_url + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3}, timeout=30)
@@ -213,6 +214,7 @@ def test_metrics_move(start_fake_server):
     assert m("inter_token_latency_seconds_count") == 6 + 2
     assert m("request_generation_tokens_sum") == 10
     assert m("kv_cache_hits_total") > 0 and m("kv_bytes_loaded_total") > 0
+    assert m("kv_pages_loaded_total") > 0
     assert m("num_requests_running") == 0 and m("num_requests_waiting") == 0
     for gauge in ("kv_cache_usage_perc", "host_kv_cache_usage_perc"):
         assert m(gauge) == 0.0
