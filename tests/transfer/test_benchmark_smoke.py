@@ -1,12 +1,15 @@
 """benchmarks/transfer.py --smoke runs end to end (tiny sizes, wall-clock timing) and writes a
 complete JSON, the plot and the table; per-page copies above --per-page-max are reported as
-skipped, never silently dropped."""
+skipped, never silently dropped. On a GPU the same smoke runs the CUDA paths (pinned host tier,
+one more load row: a bulk copy of the same bytes)."""
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from tests.conftest import GPU
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "transfer.py")
@@ -29,10 +32,11 @@ def test_rows_and_checks(smoke):
     assert r["bulk"]["h2d_gbps"] > 0 and r["bulk"]["d2h_gbps"] > 0
     methods = {(x["direction"], x["method"]) for x in r["rows"]}
     # the CPU smoke has no bulk-same-bytes row (no pinned memory to copy from)
-    assert methods == {("load", "flash-h2d"), ("load", "flash-h2d-seq"),
-                       ("load", "per-page-copy"), ("save", "gpu-direct"),
-                       ("save", "per-page-copy"), ("save", "flash-d2h-t2"),
-                       ("save", "flash-d2h-t2-chunked")}
+    want = {("load", "flash-h2d"), ("load", "flash-h2d-seq"), ("load", "per-page-copy"),
+            ("save", "gpu-direct"), ("save", "per-page-copy"), ("save", "flash-d2h-t2"),
+            ("save", "flash-d2h-t2-chunked")}
+    assert methods == want | ({("load", "bulk-same-bytes")} if GPU else set())
+    assert r["timing"] == "wall"  # --smoke times by wall clock on either device
     for row in r["rows"]:
         if row["method"] == "per-page-copy" and row["pages"] > 8:
             assert row["status"] == "skipped" and "per-page-max" in row["reason"]

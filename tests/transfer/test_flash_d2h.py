@@ -161,6 +161,7 @@ def test_staging_too_small():
 
 
 def test_scatter_error_surfaces(monkeypatch):
+    before = set(_d2h_threads())               # other tests' savers may still be collected
     hk, hv = _tiers()
     orig = fd._scatter
     calls = []
@@ -182,15 +183,17 @@ def test_scatter_error_surfaces(monkeypatch):
     assert saver.completed_seq() == 2
     with pytest.raises(RuntimeError):
         saver.close()                              # reported again, threads stopped anyway
-    assert not any(t.name.startswith("flash-d2h") and t.is_alive() for t in threading.enumerate())
+    assert not set(_d2h_threads()) - before    # this saver's threads are gone
     _check(hk[0], hv[0], saves[1:])
 
 
 def _d2h_threads():
-    return [t for t in threading.enumerate() if t.name.startswith("flash-d2h")]
+    """Live FlashD2H worker threads (of any saver in the process)."""
+    return [t for t in threading.enumerate() if t.name.startswith("flash-d2h") and t.is_alive()]
 
 
 def test_close_stops_threads_and_is_idempotent():
+    gc.collect()
     before = len(_d2h_threads())
     hk, hv = _tiers()
     saver = FlashD2HSaver(hk, hv, num_threads=5, staging_bytes=1 << 14)
@@ -204,6 +207,7 @@ def test_close_stops_threads_and_is_idempotent():
 
 
 def test_no_leak_without_close():
+    gc.collect()  # savers other tests dropped without close() stop here, not mid-test
     before = len(_d2h_threads())
     hk, hv = _tiers()
     for _ in range(3):
@@ -217,10 +221,10 @@ def test_no_leak_without_close():
     assert len(_d2h_threads()) == before
 
 
+@pytest.mark.cpu_only("on CPU the staging copy is synchronous; the CUDA counterpart is "
+                       "test_cuda_overwrite_after_wait_copy_on_stream")
 def test_copy_done_before_save_returns_on_cpu():
     """On CPU the staging copy is synchronous: k_new may be overwritten right after save()."""
-    if DEV != "cpu":
-        pytest.skip("CPU semantics")
     hk, hv = _tiers()
     k, v, pages, offs = _saves(1, 6, 64, seed=5)[0]
     keep_k, keep_v = k.clone(), v.clone()
@@ -233,7 +237,7 @@ def test_copy_done_before_save_returns_on_cpu():
     _check(hk[0], hv[0], [(keep_k, keep_v, pages, offs)])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu_only("CUDA streams: the staging copy is asynchronous only there")
 def test_cuda_overwrite_after_wait_copy_on_stream():
     hk, hv = _tiers()
     k, v, pages, offs = _saves(1, 6, 64, seed=6)[0]

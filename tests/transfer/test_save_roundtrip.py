@@ -137,8 +137,8 @@ def test_offsets_per_head_and_untouched_pages(saver_name, kw):
 
 @pytest.mark.parametrize("saver_name,kw", SAVERS)
 def test_save_argument_checks(saver_name, kw):
-    hk = [torch.zeros(8, 16, D)]
-    hv = [torch.zeros(8, 16, D)]
+    hk = [torch.zeros(8, 16, D, pin_memory=PIN)]
+    hv = [torch.zeros(8, 16, D, pin_memory=PIN)]
     k = torch.zeros(2, H, D, device=DEV)
     with make_saver(saver_name, hk, hv, **kw) as saver:
         with pytest.raises(IndexError):
