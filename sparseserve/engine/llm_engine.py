@@ -131,6 +131,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler
         out = sched.schedule()
+        if out.is_empty and sched.waiting_for_pinned_slots:
+            # slots of the last step's prefill are held until its saves land; an empty step
+            # moves the worker's save fence on, and the next step has them
+            self.runner.execute(out)
+            return []
         if out.is_empty:
             self.runner.release(out.freed_rows, out.freed_request_ids, out.freed_pages)
             if sched.has_unfinished():

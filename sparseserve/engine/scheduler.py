@@ -116,8 +116,8 @@ class Scheduler:
             if chunk is None:
                 continue
             n_tokens, cost, inject_cost, l0, l1 = chunk
-            if slots is not None and not slots.try_take(self._rows[req.request_id],
-                                                        self._slot_need(req, n_tokens)):
+            if slots is not None and not self._take_slots(self._rows[req.request_id], req,
+                                                          n_tokens):
                 continue  # waits for device slots this step; its DRAM pages stay
             while not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n_tokens):
                 victim = self.running[-1]
@@ -141,7 +141,7 @@ class Scheduler:
             if not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n_tokens):
                 break
             row = self._free_rows[-1]
-            if slots is not None and not slots.try_take(row, self._slot_need(req, n_tokens)):
+            if slots is not None and not self._take_slots(row, req, n_tokens):
                 break
             self.waiting.popleft()
             self._free_rows.pop()
@@ -161,13 +161,14 @@ class Scheduler:
                                freed_request_ids=freed_ids, freed_pages=freed_pages,
                                num_layers=self.num_layers, row_quotas=quotas)
 
-    def _slot_need(self, req: Request, n_tokens: int) -> int:
-        """Device slots per layer `req` needs for its next `n_tokens` tokens."""
+    def _take_slots(self, row: int, req: Request, n_tokens: int) -> bool:
+        """Reserve the device slots per layer `req` needs for its next `n_tokens` tokens."""
         end = req.num_computed_tokens + n_tokens
         if n_tokens == 1 and req.prefill_layer == 0 and req.num_computed_tokens > 0 \
                 and end == req.num_tokens:
-            return self.slots.decode_need(req.request_id, end)
-        return self.slots.prefill_need(end)
+            return self.slots.try_take(row, req.request_id,
+                                       self.slots.decode_need(req.request_id, end), False)
+        return self.slots.try_take(row, req.request_id, self.slots.prefill_need(end), True)
 
     def take_freed(self) -> tuple[list[int], list[str], np.ndarray]:
         """Rows, request ids and pages released since the last call (for the worker)."""
@@ -243,6 +244,11 @@ class Scheduler:
     def num_waiting_for_slots(self) -> int:
         """Requests that could not run in the last step for lack of device slots."""
         return 0 if self.slots is None else self.slots.num_waiting_for_slots
+
+    @property
+    def waiting_for_pinned_slots(self) -> bool:
+        """The last schedule was held back by slots a prefill pinned the step before."""
+        return self.slots is not None and bool(self.slots.pinned)
 
     @property
     def estimated_working_set(self) -> int:

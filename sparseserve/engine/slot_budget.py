@@ -10,6 +10,10 @@ Each layer has `num_slots` device slots. A step may only run requests whose page
   mapped to slots while the chunk runs; under layer-segmented prefill that is one layer's pages
   in each pool it runs).
 
+A prefill's slots cannot be evicted until its save has landed in DRAM, which the worker
+guarantees one step later (worker/offload_cache.py): so the pages a prefill chunk used in the
+previous step stay charged this step, whether or not the request runs again.
+
 With working-set control the scheduler admits requests in order while the sum of these
 estimates fits `M_avl` (the slots minus a reserve); without it (the vLLM-SO baseline) only the
 hard bound holds: what one step selects must fit the slots, so a request's estimate is its
@@ -41,6 +45,10 @@ class SlotBudget:
         self.left = 0
         self.needs: dict[int, int] = {}  # row -> slots reserved this step
         self.num_waiting_for_slots = 0
+        # request id -> slots its prefill used in the last step / in this step (pinned until
+        # their saves land)
+        self.pinned: dict[str, int] = {}
+        self.prefill_now: dict[str, int] = {}
 
     # ---- estimates ------------------------------------------------------------------------
     def mandatory(self, context_tokens: int) -> int:
@@ -60,21 +68,29 @@ class SlotBudget:
         self.counted[request_id] = int(working_set)
 
     def forget(self, request_id: str) -> None:
+        """A request left (finished, aborted, preempted): the worker frees its slots."""
         self.counted.pop(request_id, None)
+        self.pinned.pop(request_id, None)
+        self.prefill_now.pop(request_id, None)
 
     # ---- one step -------------------------------------------------------------------------
     def start_step(self) -> None:
-        self.left = self.num_slots - self.reserve
+        self.pinned, self.prefill_now = self.prefill_now, {}
+        self.left = self.num_slots - self.reserve - sum(self.pinned.values())
         self.needs = {}
         self.num_waiting_for_slots = 0
 
-    def try_take(self, row: int, need: int) -> bool:
-        """Reserve `need` slots per layer for `row` this step if they fit."""
-        if need > self.left:
+    def try_take(self, row: int, request_id: str, need: int, prefill: bool) -> bool:
+        """Reserve `need` slots per layer for `row` this step if they fit. What the request
+        pinned last step is already charged (its pages there are what it needs now)."""
+        charge = max(0, need - self.pinned.get(request_id, 0))
+        if charge > self.left:
             self.num_waiting_for_slots += 1
             return False
-        self.left -= need
+        self.left -= charge
         self.needs[row] = self.needs.get(row, 0) + need
+        if prefill:
+            self.prefill_now[request_id] = need
         return True
 
     @property
@@ -88,7 +104,7 @@ class SlotBudget:
         q = np.zeros(self.num_rows + 1, dtype=np.int64)
         for row, need in self.needs.items():
             q[row] = need
-        spare = self.num_slots - self.estimated_working_set
+        spare = self.num_slots - self.estimated_working_set - sum(self.pinned.values())
         if decode_rows and spare > 0:
             q[decode_rows] += spare // len(decode_rows)
         return q

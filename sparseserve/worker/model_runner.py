@@ -141,11 +141,30 @@ class ModelRunner:
         positions = _to_device(pos, torch.long, dev)
         token_rows = _to_device(rows, torch.long, dev)
 
-        if self.graphs is not None and all(c.is_decode for c in chunks) \
-                and self.graphs.bucket(len(chunks)) is not None:
-            logits = self.graphs.run(input_ids, positions, token_rows)
+        nd = sum(1 for c in chunks if c.is_decode)
+        if self.graphs is not None and nd and self.graphs.bucket(nd) is not None:
+            logits = self.graphs.run(input_ids[:nd], positions[:nd], token_rows[:nd])
+            if nd < len(chunks):
+                # a hybrid step: the decode rows replay their graph (no per-op launches for
+                # them), the prefill work runs eagerly after it in the same step
+                logits = logits.clone()
+                self._np_pos, self._np_rows = self._np_pos[nd:], self._np_rows[nd:]
+                rest = self._run_eager(chunks[nd:], [o - nd for o in offsets[nd:]],
+                                       input_ids[nd:], positions[nd:], token_rows[nd:])
+                if rest is not None:
+                    logits = torch.cat([logits, rest])
             return self._sample(chunks, logits, t0)
+        logits = self._run_eager(chunks, offsets, input_ids, positions, token_rows)
+        if logits is None:
+            return RunnerOutput(host_time_s=time.perf_counter() - t0)
+        return self._sample(chunks, logits, t0)
 
+    def _run_eager(self, chunks: list[ScheduledChunk], offsets: list[int],
+                   input_ids: torch.Tensor, positions: torch.Tensor,
+                   token_rows: torch.Tensor) -> torch.Tensor | None:
+        """The layers over the tokens active at each layer, op by op; -> logits [N, vocab]
+        of the chunks that sample (in chunk order), or None if none does."""
+        dev = self.device
         h = self._initial_hidden(chunks, offsets, input_ids)
         for a, b in _layer_intervals(chunks):
             active = [i for i, c in enumerate(chunks) if c.layer_start <= a and c.layer_end >= b]
@@ -171,9 +190,8 @@ class ModelRunner:
                 self.saved_hidden.pop(c.request_id, None)
         sampling_rows = [off + c.num_tokens - 1 for c, off in zip(chunks, offsets) if c.sample]
         if not sampling_rows:
-            return RunnerOutput(host_time_s=time.perf_counter() - t0)
-        logits = self.model.compute_logits(h[torch.tensor(sampling_rows, device=self.device)])
-        return self._sample(chunks, logits, t0)
+            return None
+        return self.model.compute_logits(h[torch.tensor(sampling_rows, device=dev)])
 
     def _initial_hidden(self, chunks: list[ScheduledChunk], offsets: list[int],
                         input_ids: torch.Tensor) -> torch.Tensor:

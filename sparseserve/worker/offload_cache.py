@@ -10,9 +10,14 @@ the device and is updated there with fixed shapes: `retrieve` maps a selection t
 victims for misses (category LRU or LRU) and loads the missing pages with FlashH2D (or
 per-page copies), with no host sync.
 
-New KV is written through to the host tier by the saver (FlashD2H) every step; the runner
-waits for the previous step's saves before it starts a step, so no page is loaded from DRAM
-before its save completed.
+New KV is written through to the host tier every step: decode tokens by a GPU-direct write on
+the compute stream, prefill chunks by the saver (FlashD2H: a D2H copy, then CPU threads
+scatter it). A page must not be loaded from DRAM before its save landed. A prefill's pages are
+resident in slots when they are saved, so the hazard is only eviction + reload before the
+scatter finished; the cache closes it without stalling the next step: slots whose pages were
+saved in step s carry a pending-save mark (never a victim) until the fence at the start of
+step s + 2 has waited for step s's saves, and only then become ordinary (aged) slots. The
+CPU scatter of one step thus overlaps the whole next step.
 """
 from __future__ import annotations
 
@@ -25,6 +30,10 @@ from sparseserve.config import CacheConfig
 from sparseserve.kernels import residency_hash
 from sparseserve.kvcache.eviction import victim_order
 from sparseserve.transfer import PageLoader, make_saver
+
+# last_access of a slot whose page has a save in flight (+ the step's parity): in the future,
+# so its age is 0 and it is never a victim; outside every working-set window
+PENDING_SAVE = 1 << 60
 
 
 def _unregister(ptr: int) -> None:
@@ -85,23 +94,42 @@ class TwoTierCache:
         self._ws_host = torch.zeros(num_rows + 1, dtype=torch.long,
                                     pin_memory=device.type == "cuda")
         self.loader = PageLoader(cache.h2d_method)
-        self.saver = make_saver(cache.d2h_method, self.host_k, self.host_v)
-        self._last_ticket = 0
+        kw = {}
+        if cache.d2h_method == "flash" and device.type == "cuda":
+            # two steps of prefill saves in flight (the fence lags one step), 8 scatter threads
+            kw = dict(staging_bytes=1 << 30, num_threads=8)
+        self.saver = make_saver(cache.d2h_method, self.host_k, self.host_v, **kw)
+        self._host_step = 0
+        self._step_tickets: dict[int, int] = {}  # step -> its last save ticket
         # bytes of decode write-through (GPU-direct); the saver counts the rest
         self.direct_bytes_saved = torch.zeros((), dtype=torch.long, device=device)
 
     # ---- per step -------------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Fence: the previous step's saves have landed in DRAM before anything is loaded."""
-        if self._last_ticket:
-            self.saver.wait_all()
-            self._last_ticket = 0
+        """Fence, one step behind: the saves of step s - 2 land before step s runs; the slots
+        they marked pending become ordinary slots aged out of the working-set window (step
+        s - 1's stay pending, so nothing saved then can be evicted and reloaded)."""
         self.step += 1
+        self._host_step += 1
+        s = self._host_step
+        ticket = self._step_tickets.pop(s - 2, None)
+        if ticket:
+            self.saver.wait(ticket)
+        last = self.last_access
+        aged = (self.step - self.window).clamp(min=0)
+        last.copy_(torch.where(last == PENDING_SAVE + s % 2, aged, last))
+
+    def wait_saves(self) -> None:
+        """Every save issued so far has landed in DRAM."""
+        self.saver.wait_all()
+        self._step_tickets.clear()
 
     def free_pages(self, pages: np.ndarray) -> None:
         """Pages returned to the host pool: drop their residency (their ids will be reused)."""
         if pages.size == 0:
             return
+        # a scatter still in flight must not land in a page after its next owner's data
+        self.wait_saves()
         idx = torch.as_tensor(pages, dtype=torch.long).to(self.page_of.device)
         for layer in range(self.num_layers):
             slots = self.slot_of(layer, idx)
@@ -134,7 +162,7 @@ class TwoTierCache:
         `window` steps, per layer, max over layers -> a pinned host buffer, copied without a
         sync (valid once the step's token copy has synchronised; see `working_sets`)."""
         last = self.last_access[:, :-1]
-        recent = (last > self.step - self.window) & (last >= 0)
+        recent = (last > self.step - self.window) & (last >= 0) & (last <= self.step)
         counts = torch.zeros((self.num_layers, self.num_rows + 1), dtype=torch.long,
                              device=self.last_access.device)
         counts.scatter_add_(1, self.owner[:, :-1], recent.long())
@@ -144,20 +172,19 @@ class TwoTierCache:
         """[num_rows + 1] int64 per-row working sets of the last `count_working_sets` call."""
         return self._ws_host.numpy().copy()
 
-    def age(self, layer: int, slots: torch.Tensor) -> None:
-        """Mark slots as used `window` steps ago: a prefill's pages stay resident (decode
-        starts warm, the next chunk finds its prefix) but count in no working set and are
-        evicted before any page a decode step used within the window."""
+    def mark_saved(self, layer: int, slots: torch.Tensor) -> None:
+        """Slots a prefill wrote this step (their pages are being saved): pending until the
+        save landed (never a victim), then aged out of the working-set window — they stay
+        resident (decode starts warm, the next chunk finds its prefix) but count in no
+        working set and go before any page a decode step used within the window."""
         last = self.last_access[layer]
-        # never below 0: a negative last access marks a free slot
-        aged = (self.step - self.window).clamp(min=0)
-        last.index_put_((slots.reshape(-1),), aged.expand(slots.numel()))
+        last.index_fill_(0, slots.reshape(-1), PENDING_SAVE + self._host_step % 2)
         last[self.scratch_slot].fill_(-1)
 
     def save(self, layer: int, k: torch.Tensor, v: torch.Tensor, host_pages: np.ndarray,
              offsets: np.ndarray) -> None:
         """Write new K/V [T, Hkv, D] through to DRAM with the configured saver (async)."""
-        self._last_ticket = self.saver.save(layer, k, v, host_pages, offsets)
+        self._step_tickets[self._host_step] = self.saver.save(layer, k, v, host_pages, offsets)
 
     @property
     def direct_decode_saves(self) -> bool:
@@ -286,5 +313,5 @@ class TwoTierCache:
             assert int((self.res_table[layer] >= 0).sum()) == mapped.numel()
 
     def close(self) -> None:
-        self.saver.wait_all()
+        self.wait_saves()
         self.saver.close()

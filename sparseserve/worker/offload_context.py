@@ -131,7 +131,7 @@ class OffloadForwardContext(ForwardContext):
         row = torch.full((1,), p.row, dtype=torch.long, device=dev)
         slots = cache.retrieve(layer, pages.unsqueeze(0), num, row, fresh=fresh,
                                prefill=True)[0]  # [Hkv, nb]
-        cache.age(layer, slots)
+        cache.mark_saved(layer, slots)
         pos = torch.arange(p.start, total, device=dev)
         tok_slots = slots[:, torch.div(pos, ps, rounding_mode="floor")]  # [Hkv, n]
         dev_k, dev_v = cache.dev_k[layer], cache.dev_v[layer]
