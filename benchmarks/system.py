@@ -103,7 +103,7 @@ def run_config(name: str, model: str, cfg: dict, args, trace, device, dtype, dea
     rec: dict = {"engine_args": kw}
     result["runs"][name] = rec
     E.log(deadline, f"{name}: loading ({kw})")
-    llm = None
+    llm = eng = None
     try:
         t = time.perf_counter()
         llm = LLM(model, **kw)
@@ -113,6 +113,8 @@ def run_config(name: str, model: str, cfg: dict, args, trace, device, dtype, dea
         rec["cuda_graphs"] = E.graph_batch_sizes(getattr(eng.runner, "graphs", None))
         warmup(eng, cfg["vocab_size"], args.scale)
         stop_at = time.perf_counter() + max(5.0, min(args.run_budget_s, deadline.remaining() - 30))
+        C.free_device_memory()  # an engine of the previous configuration is gone by now
+        rec["memory_before_run"] = C.free_device_memory()
         with C.peak_memory(rec):
             rec.update(run_trace(eng, trace, device, stop_at))
         E.log(deadline, f"  {name}: {rec['wall_s']:.1f}s, {rec['output_tokens_per_s']:.0f} out "
@@ -125,7 +127,9 @@ def run_config(name: str, model: str, cfg: dict, args, trace, device, dtype, dea
     finally:
         if llm is not None and getattr(llm.engine.runner, "offload", None) is not None:
             llm.engine.runner.offload.close()
-        del llm
+        # drop every reference before collecting: the engine's graphs and runner form cycles,
+        # and a live `eng` kept the previous engine's ~36 GB allocated into the next run's peak
+        eng = llm = None
         C.free_device_memory()
         C.empty_host_cache()
         save()
