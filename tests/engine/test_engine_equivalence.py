@@ -20,6 +20,7 @@ def greedy(max_tokens=24):
 
 def make_llm(path, **kw):
     kw.setdefault("page_size", 16)
+    kw.setdefault("device", "cpu")  # CPU-sized caches and fp32; tests/gpu covers the GPU
     return LLM(path, **kw)
 
 

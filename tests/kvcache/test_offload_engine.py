@@ -17,8 +17,10 @@ def prompts(seed=0):
 
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2)
+# the CPU engine (both tiers in CPU memory, exact fp32, CPU-sized caches): tests/gpu covers
+# the GPU
 SPARSE = dict(page_size=16, sparse_algorithm="arkvale", token_budget=64, sink_pages=1,
-              local_pages=1, max_num_seqs=4, max_model_len=256)
+              local_pages=1, max_num_seqs=4, max_model_len=256, device="cpu")
 
 
 @pytest.fixture(scope="module")

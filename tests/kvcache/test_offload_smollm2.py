@@ -6,7 +6,8 @@ import random
 from sparseserve import LLM, SamplingParams
 
 SPARSE = dict(page_size=16, sparse_algorithm="arkvale", token_budget=64, sink_pages=1,
-              local_pages=1, max_num_seqs=3, max_model_len=256, max_num_batched_tokens=96)
+              local_pages=1, max_num_seqs=3, max_model_len=256, max_num_batched_tokens=96,
+              device="cpu")
 
 
 def test_smollm2_forced_offload_equals_resident():
@@ -17,8 +18,10 @@ def test_smollm2_forced_offload_equals_resident():
     resident = LLM(**SPARSE).generate(prompts, params, use_tqdm=False)
     # SmolLM2: 30 layers, 3 KV heads, head_dim 64, fp32 on CPU
     page_bytes = 2 * 30 * 16 * 64 * 4
-    mandatory = 3 * 3 * (64 // 16)  # rows x KV heads x budget pages
-    llm = LLM(**SPARSE, kv_offload=True, kv_cache_memory_bytes=mandatory * page_bytes,
+    # the smallest cache allowed: one max_model_len prompt (16 pages x 3 KV heads) in slots
+    # while it is prefilled; the three requests together need more
+    slots = 256 // 16 * 3
+    llm = LLM(**SPARSE, kv_offload=True, kv_cache_memory_bytes=slots * page_bytes,
               kv_offloading_size=400 * page_bytes / 2**30)
     outs = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(outs, resident):

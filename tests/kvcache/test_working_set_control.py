@@ -8,8 +8,9 @@ import pytest
 from sparseserve import LLM, SamplingParams
 
 PAGE_BYTES = 2 * 3 * 16 * 16 * 4  # K+V, 3 layers, page_size 16, head_dim 16, fp32
+# the CPU engine (both tiers in CPU memory, exact fp32): tests/gpu covers the GPU
 SPARSE = dict(page_size=16, sparse_algorithm="arkvale", token_budget=64, sink_pages=1,
-              local_pages=1, max_num_seqs=12, max_model_len=256)
+              local_pages=1, max_num_seqs=12, max_model_len=256, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +146,7 @@ def test_full_host_tier_still_preempts_by_recompute(model_dir):
 @pytest.mark.parametrize("preset", ["dense", "sparse", "sparse-offload", "sparseserve"])
 def test_each_preset_builds_and_runs(model_dir, preset):
     kw = dict(page_size=16, token_budget=64, sink_pages=1, local_pages=1, max_num_seqs=4,
-              max_model_len=256)
+              max_model_len=256, device="cpu")
     if preset.endswith("offload") or preset == "sparseserve":
         kw.update(kv_cache_memory_bytes=64 * PAGE_BYTES,
                   kv_offloading_size=200 * PAGE_BYTES / 2**30)
@@ -167,7 +168,7 @@ def test_each_preset_builds_and_runs(model_dir, preset):
 
 
 def test_explicit_flags_override_the_preset(model_dir):
-    llm = LLM(model_dir, preset="sparseserve", page_size=16, token_budget=64, sink_pages=1,
+    llm = LLM(model_dir, preset="sparseserve", page_size=16, device="cpu", token_budget=64, sink_pages=1,
               local_pages=1, max_num_seqs=4, max_model_len=256,
               kv_cache_memory_bytes=64 * PAGE_BYTES, kv_offloading_size=200 * PAGE_BYTES / 2**30,
               sparse_algorithm="quest", eviction="lru", working_set_control=False,
