@@ -48,6 +48,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # per-token timestamps of the newest tokens (for inter-token latency metrics)
     new_token_times: list[float] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs (vLLM's shape): one entry per prompt token, None for
+    # the first, else {token_id: Logprob} holding the prompt token and the top prompt_logprobs
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def num_generated_tokens(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -21,6 +22,9 @@ class SamplingParams:
     * frequency_penalty f and presence_penalty p (in [-2, 2]): logit -= f * count + p * (count > 0),
       count = occurrences of the token in the output so far (not the prompt);
     * logit_bias {token id: bias}: added to the logit (values clamped to [-100, 100]).
+    structured_outputs (vLLM's name): a `StructuredOutputsParams` (or a dict of its fields)
+    constraining the output to a JSON schema, a regex, one of some choices or a Lark grammar;
+    compiled with llguidance against the model's tokenizer when the request is added.
     Validation: `sparseserve.validation.check_sampling_params` (raises ParamError, a ValueError).
     """
 
@@ -43,6 +47,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: Any = None  # StructuredOutputsParams | dict | None
 
     MAX_LOGPROBS = 20
 
@@ -109,6 +114,9 @@ class Request:
     finished_time: float | None = None
     # per output token: list of {token_id: (logprob, rank)}
     logprobs: list[dict[int, tuple[float, int]]] = field(default_factory=list)
+    # per prompt position (when prompt_logprobs is set): None for position 0 and for positions
+    # not computed yet, else {token_id: (logprob, rank)} holding the prompt token and the top-k
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -8,7 +8,8 @@ it loads a model.
 
 Contracts:
 * `check_sampling_params(p)`  everything `SamplingParams` can check on its own (vLLM's rules:
-  ranges, finiteness, int64 seeds, min_tokens <= max_tokens, penalties, logit_bias values).
+  ranges, finiteness, int64 seeds, min_tokens <= max_tokens, penalties, logit_bias values,
+  the shape of structured_outputs; its grammar compiles later, against the tokenizer).
 * `check_logit_bias_vocab(bias, vocab_size)`  token ids of logit_bias inside the vocabulary.
 * `conversation(messages)`  OpenAI messages (dicts; content a string or a list of text parts)
   -> `[{"role", "content": str}]` for a chat template; unknown roles and null content rejected.
@@ -90,9 +91,6 @@ def check_sampling_params(p: Any) -> None:
         v = getattr(p, name)
         if v is not None and not 0 <= _integer(v, name) <= limit:
             raise ParamError(f"{name} must be in [0, {limit}], got {v}.", name)
-    if p.prompt_logprobs is not None:
-        raise ParamError("prompt_logprobs is not supported by sparseserve yet (the model runner "
-                         "computes logits for sampled positions only); omit it.", "prompt_logprobs")
     if any(not isinstance(s, str) or not s for s in p.stop):
         raise ParamError("stop strings must be non-empty strings.", "stop")
     for t in p.stop_token_ids:
@@ -100,6 +98,25 @@ def check_sampling_params(p: Any) -> None:
             raise ParamError(f"stop_token_ids must be >= 0, got {t}.", "stop_token_ids")
     if p.logit_bias:
         p.logit_bias = normalize_logit_bias(p.logit_bias)
+    if p.structured_outputs is not None:
+        p.structured_outputs = structured_outputs(p.structured_outputs)
+
+
+def structured_outputs(value: Any) -> Any:
+    """A StructuredOutputsParams, or a dict of its fields -> StructuredOutputsParams (checked)."""
+    from sparseserve.structured.params import StructuredOutputsParams
+
+    if isinstance(value, StructuredOutputsParams):
+        value.validate()
+        return value
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - set(StructuredOutputsParams.__dataclass_fields__))
+        if unknown:
+            raise ParamError(f"structured_outputs has unknown fields {unknown}; use json, regex, "
+                             "choice, grammar or json_object.", "structured_outputs")
+        return StructuredOutputsParams(**value)
+    raise ParamError("structured_outputs must be a StructuredOutputsParams or a dict with one of "
+                     "json, regex, choice, grammar, json_object.", "structured_outputs")
 
 
 def normalize_logit_bias(bias: Any) -> dict[int, float]:

@@ -12,6 +12,7 @@ from sparseserve.engine.detokenizer import IncrementalDetokenizer
 from sparseserve.engine.scheduler import Scheduler
 from sparseserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from sparseserve.request import Request, RequestStatus, SamplingParams
+from sparseserve.validation import INT64_MAX, INT64_MIN, ParamError
 
 logger = logging.getLogger("sparseserve")
 
@@ -26,6 +27,7 @@ class _Parent:
     children: list[Request]
     detok: dict[str, IncrementalDetokenizer] = field(default_factory=dict)
     cumulative_logprob: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list[Any] | None = None  # RequestOutput.prompt_logprobs, once complete
 
 
 class LLMEngine:
@@ -46,6 +48,7 @@ class LLMEngine:
             and self.tokenizer.eos_token_id is not None else ())
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
+        self._grammar_backend = None  # sparseserve.structured.backend.GrammarBackend, lazily
         self.step_count = 0
         self.last_step_host_time_s = 0.0
 
@@ -58,6 +61,19 @@ class LLMEngine:
         return self.config.scheduler.max_model_len
 
     # ---- requests -------------------------------------------------------------------------
+    def grammar_backend(self, field: str = "structured_outputs"):
+        """The llguidance compiler for this model's tokenizer (built on first use; thread-safe,
+        so the server can compile in its pool). ParamError naming `field` without a tokenizer."""
+        if self.tokenizer is None:
+            raise ParamError("Structured outputs need the model's tokenizer, and this model has none "
+                             "(dummy weights); serve a model with a tokenizer or pass --tokenizer.",
+                             field, "tokenizer_required")
+        if self._grammar_backend is None:
+            from sparseserve.structured.backend import GrammarBackend
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.config.model.vocab_size,
+                                                   self.eos_token_ids[0] if self.eos_token_ids else None)
+        return self._grammar_backend
+
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         params = params or SamplingParams()
@@ -78,15 +94,24 @@ class LLMEngine:
         room = limit - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = arrival_time or time.time()
+        spec = params.structured_outputs
+        matchers = {}
+        if spec is not None:
+            backend = self.grammar_backend(spec.field())
+            for i in range(params.n):
+                matchers[request_id if params.n == 1 else f"{request_id}#{i}"] = backend.matcher(spec)
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             child_params = params
             if params.n > 1 and params.seed is not None:
-                child_params = _with_seed(params, params.seed + i)
+                child_params = _with_seed(params, child_seed(params.seed, i))
             req = Request(child_id, list(ids), child_params, prompt=text, arrival_time=arrival,
                           eos_token_ids=self.eos_token_ids, max_tokens=max_tokens)
+            if params.prompt_logprobs is not None:
+                req.prompt_logprobs = [None] * len(ids)
             children.append(req)
+        self.runner.grammars.update(matchers)  # the sampler masks with them from now on
         parent = _Parent(request_id, text, list(ids), children)
         for req in children:
             parent.detok[req.request_id] = IncrementalDetokenizer(
@@ -120,6 +145,7 @@ class LLMEngine:
                 continue
             for req in parent.children:
                 self._child_parent.pop(req.request_id, None)
+                self.runner.grammars.pop(req.request_id, None)
                 if not req.is_finished:
                     self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         self.runner.release(*self.scheduler.take_freed())
@@ -148,6 +174,10 @@ class LLMEngine:
         self.step_count += 1
         now = time.time()
         touched: dict[str, list[float]] = {}
+        for rid, (first, entries) in res.prompt_logprobs.items():
+            req = sched.requests.get(rid)
+            if req is not None and req.prompt_logprobs:
+                req.prompt_logprobs[first:first + len(entries)] = entries
         for chunk in out.chunks:
             req = sched.requests.get(chunk.request_id)
             tok = res.token_ids.get(chunk.request_id)
@@ -165,6 +195,7 @@ class LLMEngine:
                 del self._parents[pid]
                 for req in parent.children:
                     self._child_parent.pop(req.request_id, None)
+                    self.runner.grammars.pop(req.request_id, None)
         return outputs
 
     def _append_token(self, req: Request, tok: int, logprobs, now: float) -> None:
@@ -180,15 +211,21 @@ class LLMEngine:
         params = req.sampling_params
         n_out = len(req.output_token_ids)
         status = None
+        grammar = self.runner.grammars.get(req.request_id)
+        if grammar is not None:
+            grammar.consume_token(tok)  # the mask allowed only tokens it accepts
         if detok.stopped_by is not None:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stopped_by
         elif n_out >= params.min_tokens and tok in params.stop_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
         elif n_out >= params.min_tokens and not params.ignore_eos and tok in req.eos_token_ids:
             status = RequestStatus.FINISHED_STOPPED  # stop_reason None on EOS, as in vLLM
+        elif grammar is not None and grammar.is_stopped():  # the grammar cannot go on
+            status = RequestStatus.FINISHED_STOPPED
         elif n_out >= req.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
+            self.runner.grammars.pop(req.request_id, None)
             detok.flush()
             req.finished_time = now
             self.scheduler.finish(req, status)
@@ -209,6 +246,10 @@ class LLMEngine:
                                          finish_reason=req.finish_reason,
                                          stop_reason=req.stop_reason))
         first = parent.children[0]
+        if parent.prompt_logprobs is None and first.prompt_logprobs and first.output_token_ids:
+            parent.prompt_logprobs = [None] + [
+                {t: Logprob(lp, rank, self._decode_one(t)) for t, (lp, rank) in d.items()}
+                if d is not None else None for d in first.prompt_logprobs[1:]]
         metrics = RequestMetrics(
             arrival_time=first.arrival_time,
             first_scheduled_time=min((r.first_scheduled_time for r in parent.children
@@ -220,7 +261,8 @@ class LLMEngine:
             num_preemptions=sum(r.num_preemptions for r in parent.children))
         finished = all(r.is_finished for r in parent.children)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
-                             finished=finished, metrics=metrics, new_token_times=times)
+                             finished=finished, metrics=metrics, new_token_times=times,
+                             prompt_logprobs=parent.prompt_logprobs)
 
     def _decode_one(self, token_id: int) -> str | None:
         if self.tokenizer is None:
@@ -271,6 +313,13 @@ class LLMEngine:
     def check_health(self) -> None:
         if self.runner is None:
             raise RuntimeError("engine has no model runner")
+
+
+def child_seed(seed: int, index: int) -> int:
+    """Seed of sample `index` of an n > 1 request: seed + index, wrapped like int64 overflow so
+    it stays a valid seed (INT64_MAX + 1 -> INT64_MIN) and distinct for every index."""
+    span = INT64_MAX - INT64_MIN + 1
+    return (seed + index - INT64_MIN) % span + INT64_MIN
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from sparseserve.worker.forward_context import ForwardContext, KVCacheTensors, P
 from sparseserve.worker.offload_cache import TwoTierCache
 from sparseserve.worker.offload_context import OffloadForwardContext
 from sparseserve.worker.page_directory import PageDirectory
+from sparseserve.worker.prompt_logprobs import PromptLogprobs
 from sparseserve.worker.sampler import Sampler, SamplingBatch
 from sparseserve.worker.sparse_runtime import SparseRuntime
 
@@ -36,6 +38,9 @@ class RunnerOutput:
     token_ids: dict[str, int] = field(default_factory=dict)
     # request id -> {token_id: (logprob, rank)} for the sampled position
     logprobs: dict[str, dict[int, tuple[float, int]]] = field(default_factory=dict)
+    # request id -> (first prompt position, {token_id: (logprob, rank)} per position) for
+    # requests with prompt_logprobs whose prefill ran this step (see prompt_logprobs.py)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, tuple[float, int]]]]] = field(default_factory=dict)
     host_time_s: float = 0.0  # time the CPU spent preparing and launching (before the sync)
     logits: torch.Tensor | None = None  # [N, vocab] fp32 of the sampled rows (keep_logits)
     # two-tier cache: [max_num_seqs + 1] per-row working sets (slots per layer) counted this step
@@ -88,6 +93,11 @@ class ModelRunner:
         self.row_params: dict[int, SamplingParams] = {}
         self.saved_hidden: dict[str, torch.Tensor] = {}  # layer-segmented prefill state
         self.sampler = Sampler(self.device, cfg.seed)
+        # request id -> grammar matcher: the engine adds one per constrained request and
+        # removes it when the request finishes or is aborted; the sampler masks with it
+        self.grammars: dict[str, Any] = {}
+        self.prompt_lp = PromptLogprobs()
+        self._prompt_lp_work: list = []  # this step's prompt-logprob work (_run_eager)
         self.sparse = None
         if cfg.sparse.enabled:
             self.sparse = SparseRuntime(cfg.sparse, self.num_layers, num_ids, self.page_size,
@@ -153,11 +163,18 @@ class ModelRunner:
                                        input_ids[nd:], positions[nd:], token_rows[nd:])
                 if rest is not None:
                     logits = torch.cat([logits, rest])
-            return self._sample(chunks, logits, t0)
+            return self._with_prompt_logprobs(self._sample(chunks, logits, t0))
         logits = self._run_eager(chunks, offsets, input_ids, positions, token_rows)
         if logits is None:
-            return RunnerOutput(host_time_s=time.perf_counter() - t0)
-        return self._sample(chunks, logits, t0)
+            return self._with_prompt_logprobs(RunnerOutput(host_time_s=time.perf_counter() - t0))
+        return self._with_prompt_logprobs(self._sample(chunks, logits, t0))
+
+    def _with_prompt_logprobs(self, res: RunnerOutput) -> RunnerOutput:
+        """Attach the prompt logprobs `_run_eager` launched this step (after the token copy)."""
+        work, self._prompt_lp_work = self._prompt_lp_work, []
+        if work:
+            res.prompt_logprobs = self.prompt_lp.collect(work)
+        return res
 
     def _run_eager(self, chunks: list[ScheduledChunk], offsets: list[int],
                    input_ids: torch.Tensor, positions: torch.Tensor,
@@ -188,6 +205,8 @@ class ModelRunner:
                 self.saved_hidden[c.request_id] = h[off:off + c.num_tokens].clone()
             else:
                 self.saved_hidden.pop(c.request_id, None)
+        self._prompt_lp_work = self.prompt_lp.compute(
+            self.model, h, chunks, offsets, [self.row_params[c.row] for c in chunks], self.num_layers)
         sampling_rows = [off + c.num_tokens - 1 for c, off in zip(chunks, offsets) if c.sample]
         if not sampling_rows:
             return None
@@ -235,7 +254,9 @@ class ModelRunner:
         result = RunnerOutput(logits=logits if self.keep_logits else None)
         batch = SamplingBatch(params=[self.row_params[c.row] for c in sampling],
                               num_output_tokens=[c.num_output_tokens for c in sampling],
-                              rows=[c.row for c in sampling])
+                              rows=[c.row for c in sampling],
+                              grammars=[self.grammars.get(c.request_id) for c in sampling]
+                              if self.grammars else None)
         s = self.sampler(logits, batch)
         if self.offload is not None:
             self.offload.count_working_sets()  # lands with the token copy: no extra sync
@@ -278,6 +299,7 @@ class ModelRunner:
             self.row_params.pop(row, None)
         for rid in request_ids:
             self.saved_hidden.pop(rid, None)  # finished or preempted mid-segment
+        self.prompt_lp.release(request_ids)
         if self.offload is not None:
             self.offload.free_pages(pages)
 

@@ -1,9 +1,10 @@
 """Batched sampling on the device: logit_bias, repetition / frequency / presence penalties
-(see `penalties.py`), temperature, top-k, top-p, min-p, seeds, logprobs.
+(see `penalties.py`), grammar token bitmasks (see `grammar.py`), temperature, top-k, top-p,
+min-p, seeds, logprobs.
 
 One pass over the whole batch; per-row parameters are tensors, so no host sync happens per
 request. Logprobs are those of the raw model distribution (vLLM's default "raw_logprobs"):
-bias and penalties change which token is picked, not the reported logprobs. Seeded rows draw their noise from a generator re-seeded from (seed, number of
+bias, penalties and grammar masks change which token is picked, not the reported logprobs. Seeded rows draw their noise from a generator re-seeded from (seed, number of
 tokens generated so far), which makes a request's samples independent of batching and of
 preemption. Sampling uses the exponential-race trick: argmax(p / E), E ~ Exp(1), which
 draws exactly from p.
@@ -11,10 +12,12 @@ draws exactly from p.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from sparseserve.request import SamplingParams
+from sparseserve.worker.grammar import GrammarMasks
 from sparseserve.worker.penalties import PenaltyState, apply_logit_bias
 
 
@@ -27,6 +30,9 @@ class SamplingBatch:
     # batch row (the runner's row) of each sampled row: where its penalty state lives;
     # None = row i of the batch is state row i (standalone use)
     rows: list[int] | None = None
+    # per sampled row: its grammar matcher (llguidance.LLMatcher) or None (unconstrained).
+    # The sampler only reads them; the engine advances each with the token it appends.
+    grammars: list[Any] | None = None
 
 
 @dataclass
@@ -46,6 +52,7 @@ class Sampler:
         self._row_gen = torch.Generator(device=device)
 
         self.penalties = PenaltyState(device)
+        self.grammar = GrammarMasks(device)
 
     def feed(self, fed: list[tuple[int, str, list[int]]], vocab_size: int) -> None:
         """Tokens entering the KV of rows whose request has penalties, this step:
@@ -59,7 +66,8 @@ class Sampler:
         x = logits
         pen = [i for i, p in enumerate(params) if p.has_penalties]
         rows = batch.rows if batch.rows is not None else list(range(len(params)))
-        if pen or any(p.logit_bias for p in params):
+        gram = [i for i, m in enumerate(batch.grammars or ()) if m is not None]
+        if pen or gram or any(p.logit_bias for p in params):
             x = logits.clone()
             apply_logit_bias(x, params)
             if pen:
@@ -67,6 +75,8 @@ class Sampler:
                 self.penalties.prepare(pen_rows, [batch.num_output_tokens[i] for i in pen])
                 pen_idx = torch.tensor(pen, device=logits.device)
                 self.penalties.apply(x, pen_idx, pen_rows, [params[i] for i in pen])
+            if gram:  # last: no bias or penalty can re-allow a forbidden token
+                self.grammar.apply(x, gram, [batch.grammars[i] for i in gram])
         if all(greedy):
             tokens = x.argmax(dim=-1)
         else:
