@@ -123,7 +123,7 @@ def main() -> None:
     vocab = llm.engine.config.model.vocab_size
     eos = llm.engine.eos_token_ids[0]
     result = {"meta": meta(), "model": llm.engine.model_name, "vocab_size": vocab,
-              "library": "llguidance " + __import__("llguidance").__version__,
+              "library": "llguidance " + __import__("importlib.metadata").metadata.version("llguidance"),
               "schema": SCHEMA, "sampler": [], "engine": []}
     for b in (1, 32):
         result["sampler"].append(sampler_cost(tok, vocab, eos, b, args.steps))

@@ -3,6 +3,9 @@ top-k and the sampled token) -> the two OpenAI shapes:
 
 * completions (legacy): `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`
 * chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`
+
+and `prompt_logprobs_json`: vLLM's `prompt_logprobs` field (completions choices, chat response):
+`[null, {"<token id>": {"logprob", "rank", "decoded_token"}}, ...]`.
 """
 from __future__ import annotations
 
@@ -90,3 +93,12 @@ def prompt_completion_logprobs(token_ids: list[int], prompt_logprobs: Optional[l
         out["text_offset"].append(offset)
         offset += len(tok)
     return out
+
+
+def prompt_logprobs_json(prompt_logprobs: Optional[list[Any]]) -> Optional[list[Any]]:
+    """RequestOutput.prompt_logprobs -> vLLM's JSON shape (None stays None)."""
+    if prompt_logprobs is None:
+        return None
+    return [None if d is None else {str(t): {"logprob": _finite(e.logprob), "rank": e.rank,
+                                             "decoded_token": e.decoded_token} for t, e in d.items()}
+            for d in prompt_logprobs]

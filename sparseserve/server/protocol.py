@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sparseserve.request import SamplingParams
 from sparseserve.server.errors import APIError
+from sparseserve.structured.params import StructuredOutputsParams
 from sparseserve.validation import ParamError, conversation
 
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
@@ -60,6 +61,14 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[int] = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and the older
+    # guided_* fields (at most one of them; see `structured_outputs_params`)
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
     # SamplingParams field -> this request's field, where the names differ
     _PARAM_NAMES: dict[str, str] = {}
@@ -70,7 +79,36 @@ class _SamplingRequest(_Strict):
             raise APIError("stream_options is only allowed when stream is true.",
                            param="stream_options")
 
-    def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """The request's constraint, or None. Raises ParamError naming the field at fault."""
+        given = [name for name in ("response_format", "structured_outputs", "guided_json",
+                                   "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(self, name) is not None]
+        rf = self.response_format
+        if rf is not None and rf.get("type", "text") == "text" and not rf.keys() - {"type"}:
+            given.remove("response_format")
+        if len(given) > 1:
+            raise ParamError(f"Give at most one structured-output field; got {given}.", given[1])
+        if not given:
+            return None
+        name = given[0]
+        if name == "response_format":
+            return _response_format(rf)
+        if name == "structured_outputs":
+            so = dict(self.structured_outputs)
+            for ignored in ("backend", "disable_fallback", "disable_any_whitespace",
+                            "disable_additional_properties", "whitespace_pattern"):
+                so.pop(ignored, None)  # vLLM backend options: llguidance is the only backend
+            unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
+            if unknown:
+                raise ParamError(f"structured_outputs has unknown fields {unknown}; use one of json, "
+                                 "regex, choice, grammar, json_object.", "structured_outputs")
+            return StructuredOutputsParams(**so)
+        kind = name[len("guided_"):]
+        return StructuredOutputsParams(**{kind: getattr(self, name)}, source=name)
+
+    def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
+                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
@@ -92,9 +130,10 @@ class _SamplingRequest(_Strict):
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
-                prompt_logprobs=self.prompt_logprobs,
+                prompt_logprobs=pick(self.prompt_logprobs, prompt_logprobs),
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                structured_outputs=self.structured_outputs_params(),
             )
         except ParamError as e:
             param = self._PARAM_NAMES.get(e.param or "", e.param)
@@ -112,6 +151,22 @@ class _SamplingRequest(_Strict):
     @property
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+def _response_format(rf: dict[str, Any]) -> StructuredOutputsParams:
+    """OpenAI's response_format -> StructuredOutputsParams: {"type": "json_object"} or
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}."""
+    kind = rf.get("type")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True, source="response_format")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js:
+            raise ParamError("response_format of type json_schema needs "
+                             "{'json_schema': {'name': ..., 'schema': {...}}}.", "response_format.json_schema")
+        return StructuredOutputsParams(json=js["schema"], source="response_format.json_schema.schema")
+    raise ParamError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}.",
+                     "response_format.type")
 
 
 # --------------------------------------------------------------------------- completions
@@ -151,17 +206,15 @@ class CompletionRequest(_SamplingRequest):
         self._check_common()
         if self.suffix:
             raise APIError("suffix is not supported by sparseserve.", param="suffix")
-        if self.echo and self.logprobs is not None:
-            raise APIError("echo with logprobs needs prompt logprobs, which sparseserve does not "
-                           "compute yet; send echo without logprobs, or logprobs without echo.",
-                           param="echo")
         if self.best_of is not None:
             if self.best_of < self.n:
                 raise APIError(f"best_of must be >= n={self.n}, got {self.best_of}.", param="best_of")
             if self.stream and self.best_of > 1:
                 raise APIError("best_of cannot be used with stream (the best sequences are only "
                                "known at the end); drop best_of or stream.", param="best_of")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        # echo with logprobs reports the prompt's logprobs too (vLLM: prompt_logprobs = logprobs)
+        echo_lp = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._sampling_params(self.max_tokens, self.logprobs, echo_lp)
 
     @property
     def num_samples(self) -> int:
@@ -219,7 +272,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
     parallel_tool_calls: Optional[bool] = None
@@ -253,9 +305,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
         if self.tools:
             raise APIError("tools / function calling is not supported by sparseserve yet.", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError("response_format other than {'type': 'text'} is not supported yet.",
-                           param="response_format")
         if self.echo:
             raise APIError("echo is not supported by /v1/chat/completions in sparseserve; use "
                            "/v1/completions with echo.", param="echo")

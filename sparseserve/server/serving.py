@@ -152,6 +152,22 @@ class ServingContext:
         except ParamError as e:
             raise from_param_error(e) from e
 
+    async def check_structured(self, params: Any) -> None:
+        """400 when the request's structured-output constraint cannot be served: no tokenizer,
+        or a grammar (schema, regex, choice, Lark) that does not compile, naming the field.
+        Compiles in the tokenizer pool (the first use also builds llguidance's tokenizer there),
+        so neither the event loop nor the engine thread waits for it."""
+        spec = getattr(params, "structured_outputs", None)
+        if spec is None:
+            return
+        core = self.engine.engine
+        try:
+            backend = core.grammar_backend(spec.field())
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._tok_pool, backend.check, spec)
+        except ParamError as e:
+            raise from_param_error(e) from e
+
     def check_chars(self, num_chars: int, param: str) -> None:
         try:
             check_prompt_chars(num_chars, self.max_model_len, self.max_token_chars, param)

@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response
 
 from sparseserve.server.async_engine import Aborted, EngineDeadError, GenerationStream
 from sparseserve.server.errors import APIError, engine_failure
-from sparseserve.server.logprobs import chat_logprobs
+from sparseserve.server.logprobs import chat_logprobs, prompt_logprobs_json
 from sparseserve.server.protocol import ChatCompletionRequest
 from sparseserve.server.serving import Prompt, ServingContext, request_ids
 from sparseserve.server.streaming import DONE, SSEResponse, TextDeltas, sse
@@ -22,6 +22,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.check_unicode(req)
     params = req.to_sampling_params()
     ctx.check_request(params, 1, req.num_samples)
+    await ctx.check_structured(params)
     prompt = await ctx.apply_chat_template(req.conversation(), req.add_generation_prompt,
                                            req.continue_final_message, req.chat_template_kwargs)
     max_tokens = req.effective_max_tokens()
@@ -44,8 +45,12 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             "logprobs": chat_logprobs(ids, lps, k, ctx.decode_token) if k is not None else None,
             "finish_reason": reason, "stop_reason": stop_reason,
         })
-    return JSONResponse({"id": base, "object": "chat.completion", "created": created, "model": model,
-                         "choices": choices, "usage": final.usage([prompt])})
+    body = {"id": base, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": final.usage([prompt])}
+    if req.prompt_logprobs is not None:  # vLLM: one list for the (shared) prompt
+        body["prompt_logprobs"] = prompt_logprobs_json(
+            getattr(final.last.get(rids[0]), "prompt_logprobs", None))
+    return JSONResponse(body)
 
 
 async def _stream(ctx: ServingContext, req: ChatCompletionRequest, stream: GenerationStream, base: str,

@@ -11,7 +11,8 @@ from starlette.responses import JSONResponse, Response
 
 from sparseserve.server.async_engine import Aborted, EngineDeadError, GenerationStream
 from sparseserve.server.errors import APIError, engine_failure
-from sparseserve.server.logprobs import completion_logprobs, prompt_completion_logprobs
+from sparseserve.server.logprobs import (completion_logprobs, prompt_completion_logprobs,
+                                         prompt_logprobs_json)
 from sparseserve.server.protocol import CompletionRequest
 from sparseserve.server.serving import Prompt, ServingContext, request_ids
 from sparseserve.server.streaming import DONE, SSEResponse, TextDeltas, sse
@@ -24,6 +25,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     params = req.to_sampling_params()
     items = req.prompts()
     ctx.check_request(params, len(items), req.num_samples)
+    await ctx.check_structured(params)
     engine_params = params
     if req.num_samples != params.n:  # best_of: sample more, keep the n most likely
         engine_params = dataclasses.replace(params, n=req.num_samples,
@@ -55,8 +57,12 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                 lp = completion_logprobs(ids, lps, k, ctx.decode_token, len(echo_text))
                 if echo_lp is not None:
                     lp = {key: echo_lp[key] + lp[key] for key in lp}
-            choices.append({"index": pi * req.n + i, "text": echo_text + text, "logprobs": lp,
-                            "finish_reason": reason, "stop_reason": stop_reason})
+            choice = {"index": pi * req.n + i, "text": echo_text + text, "logprobs": lp,
+                      "finish_reason": reason, "stop_reason": stop_reason}
+            if req.prompt_logprobs is not None:  # vLLM's field, asked for explicitly
+                out = final.last.get(rid)
+                choice["prompt_logprobs"] = prompt_logprobs_json(getattr(out, "prompt_logprobs", None))
+            choices.append(choice)
     return JSONResponse({"id": base, "object": "text_completion", "created": created, "model": model,
                          "choices": choices, "usage": final.usage(prompts)})
 
