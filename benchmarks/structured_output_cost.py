@@ -68,9 +68,7 @@ def sampler_cost(tokenizer, vocab: int, eos: int, batch: int, steps: int) -> dic
         t0 = time.perf_counter()
         host = sampler.grammar.fill(matchers, vocab)
         t1 = time.perf_counter()
-        shifts = sampler.grammar._shifts
-        allowed = ((host[:, :, None] >> shifts) & 1).bool().reshape(batch, -1)[:, :vocab]
-        x.masked_fill_(~allowed, float("-inf"))
+        x.masked_fill_(sampler.grammar.forbidden(host, vocab), float("-inf"))
         t2 = time.perf_counter()
         fill.append(t1 - t0)
         apply.append(t2 - t1)

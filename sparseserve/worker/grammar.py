@@ -3,8 +3,10 @@
 Per step (`GrammarMasks.apply`): the host fills one int32 bitmask row per constrained sequence
 from its llguidance matcher (bit t of word w allows token 32*w + t: vLLM's / xgrammar's
 layout), in one parallel call, into a reused host buffer (pinned on CUDA); the buffer goes to
-the device in one non-blocking copy; the rows are unpacked there and the forbidden logits set to
--inf. Rows without a matcher are not touched. The runner calls this after it launched the
+the device in one non-blocking copy (4 bytes per 32 tokens), its bytes are unpacked there
+through a [256, 8] lookup table, and the forbidden logits set to -inf. On a CPU device the
+unpacking is numpy's `unpackbits` (3x faster than torch shifts there; what remains is the
+masked_fill). Rows without a matcher are not touched. The runner calls this after it launched the
 forward pass, so on a GPU the host fill overlaps the model's kernels; the step's token copy
 (the one host sync) also guarantees the buffer's previous copy finished before it is refilled.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 
@@ -24,7 +27,10 @@ class GrammarMasks:
         self.device = device
         self._host: torch.Tensor | None = None  # [capacity, words] int32
         self._executor: Any = None
-        self._shifts = torch.arange(32, dtype=torch.int32, device=device)
+        # forbidden[b, j]: bit j of byte value b is 0 (words are little-endian: byte i of
+        # word w holds tokens 32 * w + 8 * i ...)
+        bits = torch.arange(8, device=device)
+        self._forbidden = ((torch.arange(256, device=device)[:, None] >> bits) & 1) == 0
 
     def _buffer(self, rows: int, words: int) -> torch.Tensor:
         if self._host is None or self._host.shape[0] < rows or self._host.shape[1] != words:
@@ -54,11 +60,22 @@ class GrammarMasks:
     def apply(self, logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[Any]) -> None:
         """In place on logits [N, V]: rows[i] keeps only the tokens matchers[i] allows."""
         vocab = logits.shape[1]
-        host = self.fill(matchers, vocab)
-        mask = host.to(self.device, non_blocking=True)  # [G, W]
-        allowed = ((mask[:, :, None] >> self._shifts) & 1).bool().reshape(len(rows), -1)[:, :vocab]
+        forbidden = self.forbidden(self.fill(matchers, vocab), vocab)  # [G, V] bool
         if len(rows) == logits.shape[0] and list(rows) == list(range(len(rows))):
-            logits.masked_fill_(~allowed, float("-inf"))
+            logits.masked_fill_(forbidden, float("-inf"))
             return
         idx = torch.tensor(list(rows), device=logits.device)
-        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        logits[idx] = logits[idx].masked_fill(forbidden, float("-inf"))
+
+    def forbidden(self, host: torch.Tensor, vocab: int) -> torch.Tensor:
+        """Host bitmask [G, W] int32 -> [G, vocab] bool on the device, True = forbidden."""
+        if self.device.type == "cpu":
+            by = np.invert(host.numpy().view(np.uint8))
+            return torch.from_numpy(np.unpackbits(by, axis=1, bitorder="little")[:, :vocab]
+                                    .view(np.bool_))
+        return self.forbidden_on_device(host.to(self.device, non_blocking=True), vocab)
+
+    def forbidden_on_device(self, mask: torch.Tensor, vocab: int) -> torch.Tensor:
+        """Device bitmask [G, W] int32 -> [G, vocab] bool (the table path the GPU takes)."""
+        by = mask.view(torch.uint8).long()  # [G, 4W]
+        return self._forbidden[by].reshape(mask.shape[0], -1)[:, :vocab]
