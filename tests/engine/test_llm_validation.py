@@ -21,7 +21,6 @@ BAD_PARAMS = [
     (dict(logit_bias={"x": 1.0}), "logit_bias"),
     (dict(logit_bias={3: math.nan}), "logit_bias"),
     (dict(prompt_logprobs=-1), "prompt_logprobs"),
-    (dict(prompt_logprobs=1), "prompt_logprobs"),  # not supported yet: said, not ignored
     (dict(n=True), "n"),
 ]
 
