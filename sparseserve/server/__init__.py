@@ -7,12 +7,14 @@ Modules, one job each:
   api.py                  FastAPI app factory `create_app(engine, ...)`: routes, API key, error handlers
   body_limit.py           request-body size limit (413) as ASGI middleware
   serving.py              shared request handling: model / n / size / Unicode / context-length
-                          checks, tokenization in a small thread pool (rules: sparseserve.validation)
+                          checks, tokenization in a small thread pool (rules: sparseserve.validation),
+                          structured-output grammars compiled in the same pool (400 naming the field)
   serving_completions.py  POST /v1/completions
   serving_chat.py         POST /v1/chat/completions
   streaming.py            SSE response with disconnect detection, text deltas
-  logprobs.py             engine logprobs -> OpenAI completion / chat shapes
-  protocol.py             pydantic request / response models
+  logprobs.py             engine logprobs -> OpenAI completion / chat shapes; vLLM's prompt_logprobs
+  protocol.py             pydantic request / response models; response_format / structured_outputs /
+                          guided_json|regex|choice|grammar -> sparseserve.structured.StructuredOutputsParams
   errors.py               OpenAI-style error objects (400 instead of FastAPI's 422)
   async_engine.py         AsyncLLMEngine: the engine loop in one background thread
   metrics.py              Prometheus metrics (`sparseserve:` + vLLM names)
