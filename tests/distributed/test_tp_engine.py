@@ -117,3 +117,15 @@ def test_dead_rank_raises_within_timeout(tiny_model_dirs, engines):
     with pytest.raises(RuntimeError):
         eng.check_health()  # what the server's /health turns into 503
     assert not any(p.is_alive() for p in eng.executor.procs)  # every rank stopped
+
+
+def test_tp3_smollm2_equals_tp1(smollm2_llm, engines):
+    """SmolLM2-135M (GGUF, 9 query / 3 KV heads): one KV head per rank. A few tokens only:
+    three CPU ranks of a real model are slow."""
+    batch = [{"prompt_token_ids": p["prompt_token_ids"][:n]}
+             for p, n in zip(prompts(), [1, 17])]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=1)
+    ref = smollm2_llm.generate(batch, params, use_tqdm=False)
+    llm = engines(None, tensor_parallel_size=3, max_model_len=64,
+                  kv_cache_memory_bytes=8 << 20)
+    assert_same(llm.generate(batch, params, use_tqdm=False), ref, tol=1e-3)
