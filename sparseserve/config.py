@@ -164,6 +164,14 @@ class SparseConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (DESIGN.md §10): each of tensor_parallel_size ranks owns
+    num_key_value_heads / size KV heads; CacheConfig's page counts are per rank."""
+
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     load: LoadConfig
@@ -174,6 +182,7 @@ class EngineConfig:
     dtype: str = "float32"  # compute dtype name of torch ("float32", "bfloat16", "float16")
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def replace(self, **changes: Any) -> "EngineConfig":

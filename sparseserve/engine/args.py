@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from sparseserve.config import (HOST_CHUNK_PAGES, CacheConfig, EngineConfig, LoadConfig,
-                                ModelConfig, SchedulerConfig, SparseConfig)
+                                ModelConfig, ParallelConfig, SchedulerConfig, SparseConfig)
 from sparseserve.engine.presets import OFFLOAD_ONLY, PRESETS, apply_preset, preset_help
 
 logger = logging.getLogger("sparseserve")
@@ -49,6 +49,9 @@ class EngineArgs:
     sink_pages: int = 1
     local_pages: int = 2  # chosen by the fidelity measurement (docs/results/fidelity.md)
     dense_layers: int = 0
+    # ranks that each hold 1/N of the model and of the KV heads (kv_cache_memory_bytes is per
+    # rank, kv_offloading_size the total, as in vLLM)
+    tensor_parallel_size: int = 1
 
     # ---- CLI ------------------------------------------------------------------------------
     @staticmethod
@@ -118,6 +121,10 @@ class EngineArgs:
         parser.add_argument("--local-pages", type=int, default=d.local_pages)
         parser.add_argument("--dense-layers", type=int, default=d.dense_layers,
                             help="the first N layers keep dense attention")
+        parser.add_argument("--tensor-parallel-size", "-tp", type=int,
+                            default=d.tensor_parallel_size,
+                            help="ranks (one process and GPU each) sharing the model and its "
+                                 "KV heads; must divide the number of KV heads")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
@@ -165,6 +172,8 @@ class EngineArgs:
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA GPU is visible; use device='cpu'.")
         dtype = _resolve_dtype(self.dtype, device, mc)
+        tp = self._check_parallel(mc, device)
+        mc_rank = dataclasses.replace(mc, num_key_value_heads=mc.num_key_value_heads // tp)
         if self.page_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"page_size must be one of 8, 16, 32, 64, 128; got {self.page_size}.")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -177,7 +186,8 @@ class EngineArgs:
         page_bytes = 2 * mc.num_hidden_layers * self.page_size * mc.head_dim * DTYPE_BYTES[dtype]
         kv_bytes = self._kv_bytes(device, mc, dtype)
         num_pages = kv_bytes // page_bytes
-        num_host_pages = self._host_pages(page_bytes, mc)
+        num_host_pages = self._host_pages(page_bytes, mc_rank, tp)
+        mc_full, mc = mc, mc_rank  # page counts below are per rank, over its KV heads
         pool = num_host_pages if self.kv_offload else num_pages
         chunk = HOST_CHUNK_PAGES if self.kv_offload else 1  # pages come in whole chunks
         capacity_tokens = (pool // chunk // mc.num_key_value_heads) * chunk * self.page_size
@@ -217,6 +227,7 @@ class EngineArgs:
         sparse = self._sparse_config(mc)
         if self.kv_offload:
             self._check_offload(sparse, mc, num_pages, max_len)
+        mc = mc_full
         inject = None
         if self.layer_segmented_prefill:
             inject = self.max_inject_tokens or batched * mc.num_hidden_layers
@@ -239,10 +250,26 @@ class EngineArgs:
                                       working_set_window=self.working_set_window),
             sparse=sparse, device=device, dtype=dtype, seed=self.seed,
             enforce_eager=self.enforce_eager,
+            parallel=ParallelConfig(tensor_parallel_size=tp),
         )
         return cfg, source
 
-    def _host_pages(self, page_bytes: int, mc: ModelConfig) -> int:
+    def _check_parallel(self, mc: ModelConfig, device: str) -> int:
+        """The tensor-parallel size, checked against the model and the visible GPUs."""
+        from sparseserve.model.parallel import check_tp_divisible
+
+        tp = self.tensor_parallel_size
+        check_tp_divisible(mc, tp)
+        if device == "cuda" and tp > 1:
+            import torch
+            n = torch.cuda.device_count()
+            if tp > n:
+                raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs but {n} are "
+                                 "visible; lower it or expose more GPUs (CUDA_VISIBLE_DEVICES).")
+        return tp
+
+    def _host_pages(self, page_bytes: int, mc: ModelConfig, tp: int = 1) -> int:
+        """Host pages per rank: kv_offloading_size is the total over the tp ranks."""
         if not self.kv_offload:
             return 0
         size = self.kv_offloading_size
@@ -251,14 +278,14 @@ class EngineArgs:
             import os
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             tokens = self.max_num_seqs * (self.max_model_len or mc.max_position_embeddings)
-            need = -(-tokens // self.page_size) * mc.num_key_value_heads * page_bytes
+            need = -(-tokens // self.page_size) * mc.num_key_value_heads * tp * page_bytes
             size = min(need, free // 2) / GiB
             logger.info("kv_offloading_size not given: host tier of %.2f GiB (max_num_seqs x "
                         "max_model_len, at most half the free RAM)", size)
         if size <= 0:
             raise ValueError("kv_offloading_size must be > 0 (GiB of host memory for the host "
                              "tier, e.g. --kv-offloading-size 64).")
-        pages = int(size * GiB) // page_bytes
+        pages = int(size * GiB) // tp // page_bytes
         return pages // HOST_CHUNK_PAGES * HOST_CHUNK_PAGES  # whole chunks (KVCacheManager)
 
     def _check_offload(self, sparse: SparseConfig, mc: ModelConfig, num_slots: int,

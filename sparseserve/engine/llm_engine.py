@@ -32,16 +32,18 @@ class _Parent:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
+        from sparseserve.engine.executor import make_executor
         from sparseserve.model.loader import load_tokenizer
-        from sparseserve.worker.model_runner import ModelRunner
 
         self.config, self.source = args.create_engine_config()
         self.model_name = self.source.name
         self.tokenizer = load_tokenizer(self.source, tokenizer=args.tokenizer)
-        self.runner = ModelRunner(self.config, self.source)
+        self.executor = make_executor(self.config, self.source)
+        self.runner = self.executor.runner  # the in-process ModelRunner; None with TP > 1
         mc = self.config.model
+        tp = self.config.parallel.tensor_parallel_size  # page ids: the same on every rank
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache,
-                                   mc.num_hidden_layers, mc.num_key_value_heads,
+                                   mc.num_hidden_layers, mc.num_key_value_heads // tp,
                                    self.config.sparse)
         self.eos_token_ids = tuple(mc.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer is not None
@@ -148,7 +150,7 @@ class LLMEngine:
                 self.runner.grammars.pop(req.request_id, None)
                 if not req.is_finished:
                     self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        self.runner.release(*self.scheduler.take_freed())
+        self.executor.release(*self.scheduler.take_freed())
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -160,15 +162,15 @@ class LLMEngine:
         if out.is_empty and sched.waiting_for_pinned_slots:
             # slots of the last step's prefill are held until its saves land; an empty step
             # moves the worker's save fence on, and the next step has them
-            self.runner.execute(out)
+            self.executor.execute(out)
             return []
         if out.is_empty:
-            self.runner.release(out.freed_rows, out.freed_request_ids, out.freed_pages)
+            self.executor.release(out.freed_rows, out.freed_request_ids, out.freed_pages)
             if sched.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests waiting; the KV "
                                    "cache is too small for a single request.")
             return []
-        res = self.runner.execute(out)
+        res = self.executor.execute(out)
         self.last_step_host_time_s = res.host_time_s
         sched.update_after_step(out, res.working_sets)
         self.step_count += 1
@@ -185,7 +187,7 @@ class LLMEngine:
                 continue
             self._append_token(req, tok, res.logprobs.get(req.request_id), now)
             touched.setdefault(self._child_parent[req.request_id], []).append(now)
-        self.runner.release(*sched.take_freed())  # finished requests leave the worker now
+        self.executor.release(*sched.take_freed())  # finished requests leave the worker now
         outputs = []
         for pid, times in touched.items():
             parent = self._parents[pid]
@@ -290,13 +292,11 @@ class LLMEngine:
             "num_waiting_for_slots": sched.num_waiting_for_slots,
             "estimated_working_set": sched.estimated_working_set,
         }
-        offload = self.runner.offload
-        if offload is not None:
-            tier = offload.stats()
+        tier = self.executor.offload_stats()  # summed over the TP ranks
+        if tier is not None:
             stats.update({k: v for k, v in tier.items() if k in stats})
             stats["host_kv_usage"] = sched.kv.usage
-            stats["device_kv_usage"] = tier["resident_slots"] / (
-                offload.num_slots * offload.num_layers)
+            stats["device_kv_usage"] = tier["resident_slots"] / tier["total_slots"]
         return stats
 
     def num_free_pages(self) -> int:
@@ -307,12 +307,14 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
-        if self.runner.offload is not None:
-            self.runner.offload.check_invariants()
+        self.executor.check_invariants()
 
     def check_health(self) -> None:
-        if self.runner is None:
-            raise RuntimeError("engine has no model runner")
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (a no-op with one process)."""
+        self.executor.shutdown()
 
 
 def child_seed(seed: int, index: int) -> int:

@@ -85,11 +85,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    """SiLU-gated MLP. With `tp` (a model.parallel.TensorParallel) gate/up are column-parallel
+    and down row-parallel over intermediate_size / tp.size columns, then one all-reduce."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp=None) -> None:
         super().__init__()
+        self.tp = tp
+        if tp is not None:
+            intermediate_size //= tp.size
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out if self.tp is None else self.tp.all_reduce(out)

@@ -5,6 +5,11 @@ The model knows nothing about pages: attention calls `ctx.attention(layer, q, k,
 `ctx` is the worker's forward context for the current step (stores KV, attends over pages).
 The forward pass is split into `embed`, `run_layers(l0, l1)` and `compute_logits` so a
 request can run a sub-range of layers in one step and resume later (layer-segmented prefill).
+
+Tensor parallelism is a parameter of the layers: with `tp` (model/parallel.py) each module
+holds its rank's shard (heads, MLP columns, vocabulary rows) under the same parameter names,
+and `weight_shard` tells the loaders which slice of each checkpoint tensor to read. tp=None
+builds exactly the single-process model.
 """
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from torch import nn
 
 from sparseserve.config import ModelConfig
 from sparseserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from sparseserve.model.parallel import (VOCAB_PARALLEL, TensorParallel, shard_spec,
+                                        take_shard, vocab_shard)
 
 
 class AttentionContext(Protocol):
@@ -24,11 +31,15 @@ class AttentionContext(Protocol):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    """With tp: this rank's Hq/tp query and Hkv/tp KV heads; o_proj then all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.tp = tp
+        n = 1 if tp is None else tp.size
+        self.num_heads = cfg.num_attention_heads // n
+        self.num_kv_heads = cfg.num_key_value_heads // n
         self.head_dim = cfg.head_dim
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
@@ -44,14 +55,15 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
         out = ctx.attention(self.layer, q, k, v)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = LlamaAttention(cfg, layer, tp)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -63,30 +75,42 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        rows = cfg.vocab_size if tp is None else vocab_shard(cfg.vocab_size, tp)[2]
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.tp = tp
+        self.model = LlamaModel(cfg, tp)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, self.model.embed_tokens.num_embeddings,
+                                     bias=False)
 
     @property
     def num_layers(self) -> int:
         return len(self.model.layers)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)  # [T, hidden]
+        if self.tp is None:
+            return self.model.embed_tokens(input_ids)  # [T, hidden]
+        # vocabulary-parallel: look up the ids of this rank's rows, zeros elsewhere, sum
+        start, _, per = vocab_shard(self.config.vocab_size, self.tp)
+        local = input_ids - start
+        outside = (local < 0) | (local >= per)
+        h = self.model.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(h.masked_fill(outside.unsqueeze(-1), 0))
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                    start: int, end: int) -> torch.Tensor:
@@ -96,10 +120,25 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [N, hidden] (residual stream after the last layer) -> fp32 logits [N, vocab]."""
+        """h [N, hidden] (residual stream after the last layer) -> fp32 logits [N, vocab].
+
+        With tp: rank 0 gets the full logits [N, vocab] (gathered); the other ranks get
+        their vocabulary slice [N, ceil(vocab / tp)], which is not for sampling."""
         h = self.model.norm(h)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(h, weight.t()).float()
+        logits = torch.matmul(h, weight.t()).float()
+        if self.tp is None:
+            return logits
+        return self.tp.gather_logits(logits, self.config.vocab_size)
+
+    @property
+    def weight_shard(self):
+        """None (load whole tensors), or with tp a function (name, full shape) ->
+        (dim, start, end) | None that the loaders use to read only this rank's slice."""
+        if self.tp is None:
+            return None
+        cfg, tp = self.config, self.tp
+        return lambda name, shape: shard_spec(name, tuple(shape), cfg, tp)
 
     # ---- weights -------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -115,6 +154,11 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"Checkpoint tensor {name!r} has no place in {type(self).__name__}; "
                                  "is the checkpoint of a supported Llama-family architecture?")
             param = params[name]
+            if self.tp is not None and name in VOCAB_PARALLEL and tensor.shape[0] < param.shape[0]:
+                # the last rank's vocabulary rows past vocab_size are zero padding
+                with torch.no_grad():
+                    param[tensor.shape[0]:].zero_()
+                param = param[:tensor.shape[0]]
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the config expects {tuple(param.shape)}.")
@@ -129,12 +173,28 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def init_dummy_weights(self, seed: int = 0) -> None:
         """Random weights for benchmarks (`load_format="dummy"`): small uniform values and
-        unit norms so activations stay finite in bf16 through dozens of layers."""
+        unit norms so activations stay finite in bf16 through dozens of layers.
+
+        With tp every rank draws each full tensor (one at a time) from the same stream and
+        keeps its slice, so the sharded model equals the single-process one."""
         gens: dict[torch.device, torch.Generator] = {}
+        shard = self.weight_shard
+        full_shapes = None
+        if shard is not None:
+            from sparseserve.model.loader.hf import expected_weight_shapes
+            full_shapes = expected_weight_shapes(self.config)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue
             if p.device not in gens:
                 gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-            p.uniform_(-2e-2, 2e-2, generator=gens[p.device])
+            if shard is None:
+                p.uniform_(-2e-2, 2e-2, generator=gens[p.device])
+                continue
+            full = torch.empty(full_shapes[name], dtype=p.dtype, device=p.device)
+            full.uniform_(-2e-2, 2e-2, generator=gens[p.device])
+            part = take_shard(full, shard(name, full.shape))
+            del full
+            p.zero_()  # vocabulary padding rows stay zero
+            p[tuple(slice(0, n) for n in part.shape)].copy_(part)

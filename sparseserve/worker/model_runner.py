@@ -48,13 +48,16 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, source) -> None:
+    def __init__(self, cfg: EngineConfig, source, tp=None) -> None:
+        """tp: a model.parallel.TensorParallel (this process is one rank: its shard of the
+        weights, its num_key_value_heads / tp.size KV heads' pages), or None."""
         self.cfg = cfg
+        self.tp = tp
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
         mc = cfg.model
         self.num_layers = mc.num_hidden_layers
-        self.num_kv_heads = mc.num_key_value_heads
+        self.num_kv_heads = mc.num_key_value_heads // (1 if tp is None else tp.size)
         self.page_size = cfg.cache.page_size
         self.scale = mc.head_dim ** -0.5
         max_len = cfg.scheduler.max_model_len
@@ -64,13 +67,13 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)  # build in the final dtype: no fp32 copy of 8B
         try:
             with torch.device(self.device):
-                model = LlamaForCausalLM(mc, max_positions=max_len)
+                model = LlamaForCausalLM(mc, max_positions=max_len, tp=tp)
         finally:
             torch.set_default_dtype(default_dtype)
         if source.kind == "dummy":
             model.init_dummy_weights(cfg.seed)
         else:
-            model.load_weights(iter_weights(source, mc))
+            model.load_weights(iter_weights(source, mc, shard=model.weight_shard))
         self.model = model.eval()
 
         # one extra page and one extra row: the scratch that CUDA-graph padding lanes use

@@ -261,21 +261,28 @@ def plan_gguf(reader: Any, path: str, config: ModelConfig) -> list[tuple[Any, st
     return plan
 
 
-def iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(path: str, config: ModelConfig, shard=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, CPU tensor) for every weight in the GGUF file, one tensor dequantized at
     a time (float32 for quantized types, float16/bfloat16 kept as stored), Q/K un-permuted.
-    The whole file is validated when this is called, before any tensor is read."""
+    The whole file is validated when this is called, before any tensor is read.
+    shard(name, full_shape) -> (dim, start, end) | None: yield only that slice of each tensor
+    (dequantized whole, one tensor at a time, then sliced)."""
     reader = open_gguf(path)
     arch = gguf_architecture(reader, path)
     plan = plan_gguf(reader, path, config)  # eager: errors raise at call time, not at first next()
-    return _stream_gguf(plan, arch, config)
+    return _stream_gguf(plan, arch, config, shard)
 
 
-def _stream_gguf(plan: list[tuple[Any, str]], arch: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream_gguf(plan: list[tuple[Any, str]], arch: str, config: ModelConfig,
+                 shard=None) -> Iterator[tuple[str, torch.Tensor]]:
     for tensor, name in plan:
         w = _dequantize(tensor)
         if arch in _PERMUTED_QK and ".self_attn.q_proj." in name:
             w = unpermute_rows(w, config.num_attention_heads)
         elif arch in _PERMUTED_QK and ".self_attn.k_proj." in name:
             w = unpermute_rows(w, config.num_key_value_heads)
+        if shard is not None:
+            spec = shard(name, tuple(w.shape))
+            if spec is not None:
+                w = w.narrow(spec[0], spec[1], spec[2] - spec[1]).contiguous()
         yield name, w

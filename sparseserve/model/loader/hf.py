@@ -154,19 +154,32 @@ def plan_safetensors(directory: str, config: ModelConfig) -> list[tuple[str, lis
     return plan
 
 
-def iter_safetensors(directory: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(directory: str, config: ModelConfig,
+                     shard=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, CPU tensor in the stored dtype), one shard open at a time.
 
     Validates the whole checkpoint first (headers only), so an incomplete checkpoint raises
-    when this is called, before any tensor is read."""
+    when this is called, before any tensor is read. shard(name, full_shape) -> (dim, start,
+    end) | None: read only that slice of each tensor from the file (get_slice), never all."""
     plan = plan_safetensors(directory, config)  # eager: errors raise at call time, not at first next()
-    return _stream_safetensors(plan)
+    return _stream_safetensors(plan, shard)
 
 
-def _stream_safetensors(plan: list[tuple[str, list[str]]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream_safetensors(plan: list[tuple[str, list[str]]],
+                        shard=None) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for path, names in plan:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in names:
-                yield name, f.get_tensor(name)
+                if shard is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                sl = f.get_slice(name)
+                spec = shard(name, tuple(sl.get_shape()))
+                if spec is None:
+                    yield name, sl[:]
+                elif spec[0] == 0:
+                    yield name, sl[spec[1]:spec[2]]
+                else:
+                    yield name, sl[:, spec[1]:spec[2]]

@@ -10,7 +10,7 @@ import importlib.metadata
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -171,15 +171,24 @@ def check_weights(source: ModelSource, config: ModelConfig) -> None:
         plan_gguf(open_gguf(source.path), source.path, config)
 
 
-def iter_weights(source: ModelSource, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+# (HF name, full shape) -> (dim, start, end) of the slice to load, or None for all of it
+WeightShard = Callable[[str, tuple], "tuple[int, int, int] | None"]
+
+
+def iter_weights(source: ModelSource, config: ModelConfig,
+                 shard: WeightShard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face parameter name, CPU tensor) for every weight of the model, streaming
     one tensor at a time; lm_head.weight is omitted when the embedding is tied. The checkpoint
     is validated before the first tensor. Dummy sources yield nothing: the model initialises
-    random weights itself."""
+    random weights itself.
+
+    shard (tensor parallelism, LlamaForCausalLM.weight_shard): yield only each tensor's slice
+    `shard(name, full_shape)`; safetensors read just that slice from the file, GGUF tensors
+    are dequantized one at a time and sliced."""
     if source.kind == "hf":
-        return iter_safetensors(source.path, config)
+        return iter_safetensors(source.path, config, shard)
     if source.kind == "gguf":
-        return iter_gguf(source.path, config)
+        return iter_gguf(source.path, config, shard)
     if source.kind == "dummy":
         return iter(())
     raise ValueError(f"Unknown model source kind {source.kind!r}")
