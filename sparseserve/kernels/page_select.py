@@ -86,7 +86,7 @@ def _page_select_kernel(
     stride_sb, stride_sh, stride_sg, stride_mlb, stride_mlh,
     stride_kb, stride_kh, stride_pb, stride_ph, stride_bb, stride_bh, stride_nb,
     W, k_top, k_out, sink, local, chunks_per_split, num_splits, qk_scale,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr,
+    NSUB: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, TILE: tl.constexpr, ONE_TILE: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, DO_SCORE: tl.constexpr,
     DO_SELECT: tl.constexpr,
@@ -120,12 +120,16 @@ def _page_select_kernel(
             need = offs_w < n - 1  # full pages, kept ones included (they normalise too)
             page = tl.load(pt_row + offs_w, mask=need, other=0).to(tl.int64)
             m2 = need[:, None] & d_ok[None, :]
-            hi = tl.load(kmax_ptr + page[:, None] * stride_max + offs_d[None, :], mask=m2,
-                         other=0.0)                                          # [BLOCK_W, BLOCK_D]
-            lo = tl.load(kmin_ptr + page[:, None] * stride_min + offs_d[None, :], mask=m2,
-                         other=0.0).to(hi.dtype)
-            u = tl.dot(hi, qp, input_precision=DOT_PREC)                     # [BLOCK_W, GP] fp32
-            u = tl.dot(lo, qn, acc=u, input_precision=DOT_PREC)
+            u = tl.full([BLOCK_W, GP], float("-inf"), tl.float32)
+            # a page row holds NSUB boxes of D channels: the page's bound is their max
+            for j in tl.static_range(NSUB):
+                hi = tl.load(kmax_ptr + page[:, None] * stride_max + j * D + offs_d[None, :],
+                             mask=m2, other=0.0)                             # [BLOCK_W, BLOCK_D]
+                lo = tl.load(kmin_ptr + page[:, None] * stride_min + j * D + offs_d[None, :],
+                             mask=m2, other=0.0).to(hi.dtype)
+                uj = tl.dot(hi, qp, input_precision=DOT_PREC)                # [BLOCK_W, GP] fp32
+                uj = tl.dot(lo, qn, acc=uj, input_precision=DOT_PREC)
+                u = tl.maximum(u, uj)
             x = u * qk_scale
             tl.store(s_row + offs_g[None, :] * stride_sg + offs_w[:, None], x,
                      mask=need[:, None] & (offs_g[None, :] < G))
@@ -230,13 +234,15 @@ def _default_splits(q, rows: int, chunks: int) -> int:
 
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
                  local_pages, out_pages=None, out_num=None, out_blocks=None, *, num_splits=None,
-                 block_w=None, num_warps=None):
+                 block_w=None, num_warps=None, n_sub=1):
     """Fused Quest/ArkVale page selection by estimated attention mass
 (``SparseAlgorithm.select``'s contract over ``Quest.score``; spec: ``ref.select_pages``).
 
     Args:
         q:             [B, Hq, D]          decode queries, Hq = Hkv * G (last dim contiguous)
-        kmin, kmax:    [S, D]              summary box rows (kmin <= kmax elementwise)
+        kmin, kmax:    [S, n_sub * D]      summary box rows (kmin <= kmax elementwise); a row
+                                           holds n_sub boxes (sub-page partitions), the page's
+                                           bound per head is the max of its boxes' bounds
         page_table:    [B, Hkv, W] int32   all of each request's pages in order
         num_pages:     [B, Hkv] int32      valid entries of page_table (1..W)
         last_page_len: [B] int32           unused here (the caller's Selection carries it)
@@ -244,6 +250,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         out_pages / out_num / out_blocks:  optional outputs, written in place
         num_splits:    score programs per row (1 = one fused launch; default: by SM count)
         block_w, num_warps: tuning overrides (pages per score step; warps of each launch)
+        n_sub:         boxes per page row (1: Quest / ArkVale's one box per page)
     Returns:
         pages [B, Hkv, K] int32 physical ids, num_sel [B, Hkv] int32, blocks [B, Hkv, K] int64
         logical indices, K = max(1, min(budget - 1, W)) + 1 (= budget when W >= budget - 1).
@@ -258,6 +265,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     B, Hq, D = q.shape
     _, Hkv, W = page_table.shape
     assert Hq % Hkv == 0 and W >= 1
+    assert kmin.shape[-1] == n_sub * D and kmax.shape[-1] == n_sub * D
     if not q.is_cuda and kmax.dtype == torch.bfloat16:
         # Triton's interpreter multiplies bf16 dot operands' bit patterns (triton#11584):
         # run it in fp32 there (exact: bf16 values are fp32 values)
@@ -307,7 +315,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
             out_pages.stride(0), out_pages.stride(1), out_blocks.stride(0), out_blocks.stride(1),
             out_num.stride(0), W, k_top, k_out, sink_pages, local_pages, cps, splits,
             D ** -0.5 * LOG2E)
-    meta = dict(G=G, GP=GP, D=D, BLOCK_W=block_w, BLOCK_D=BLOCK_D,
+    meta = dict(NSUB=n_sub, G=G, GP=GP, D=D, BLOCK_W=block_w, BLOCK_D=BLOCK_D,
                 BLOCK_S=triton.next_power_of_2(splits), TILE=TILE, ONE_TILE=TILE >= W,
                 BLOCK_K=triton.next_power_of_2(k_out),
                 # fp32 summaries: exact products (no TF32); 16-bit operands multiply exactly
