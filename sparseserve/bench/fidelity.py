@@ -28,7 +28,8 @@ from sparseserve.bench.fidelity_tail import BASE, Setting, TailHarness
 from sparseserve.bench.texts import load_texts
 
 # candidates for the default (oracle reads all keys; streaming is a static baseline)
-SERVING = ("quest", "arkvale", "infllm", "quest-b16", "quest-b8", "arkvale-b16", "arkvale-b8")
+SERVING = ("quest", "arkvale", "infllm", "quest-b16", "quest-b8", "arkvale-b16", "arkvale-b8",
+           "keycode1", "keycode2")
 
 SWEEP = ("s2l4d0", "s1l2d0", "s1l8d0", "s1l4d1", "s1l4d2")  # one knob at a time around BASE
 

@@ -250,3 +250,28 @@ def shared_bounds_class(cls):
 
     SharedBounds.__name__ = f"Shared{cls.__name__}"
     return SharedBounds
+
+
+def shared_codes_class(cls):
+    """A key-code algorithm (sparse/keycodes.py) whose score decodes the text's approximate
+    keys once for all rows (fast mode); same math as its own score()."""
+
+    class SharedCodes(cls):
+        shared: SharedText | None = None
+
+        def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
+            sh = self.shared
+            if sh is None or not sh.covers(page_table, num_pages):
+                return super().score(q, page_table, num_pages, last_page_len, summaries,
+                                     k_cache)
+            b, hq, d = q.shape
+            w = page_table.shape[2]
+            rows = sh.base + torch.arange(w).view(1, w) * sh.hkv + torch.arange(sh.hkv).view(-1, 1)
+            kh = self.approx_keys(summaries, rows)  # [Hkv, w, ps, D]
+            scale = d ** -0.5
+            x = torch.einsum("bhgd,hwtd->bhgwt", q.float().view(b, sh.hkv, hq // sh.hkv, d),
+                             kh) * scale
+            return self.from_token_logits(x, num_pages, scale)
+
+    SharedCodes.__name__ = f"Shared{cls.__name__}"
+    return SharedCodes

@@ -132,15 +132,24 @@ class SparseAlgorithm:
         """Per summary name, one page's row shape (default: one [head_dim] vector)."""
         return {n: (head_dim,) for n in self.summary_names}
 
+    def summary_dtypes(self) -> dict[str, torch.dtype]:
+        """Summaries whose dtype is not the KV dtype (e.g. int32 packed code bits), by name."""
+        return {}
+
     def make_summaries(self, rows: int, head_dim: int, dtype=torch.float32,
                        device=None) -> LayerSummaries:
-        """Zeroed summaries of one layer: [rows, numel(shape)] per name (rows = pages + 1)."""
-        shapes = self.summary_shapes(head_dim)
-        return LayerSummaries({n: torch.zeros((rows, math.prod(s)), dtype=dtype, device=device)
+        """Zeroed summaries of one layer: [rows, numel(shape)] per name (rows = pages + 1),
+        in ``dtype`` (the KV dtype) unless ``summary_dtypes`` says otherwise."""
+        shapes, dts = self.summary_shapes(head_dim), self.summary_dtypes()
+        return LayerSummaries({n: torch.zeros((rows, math.prod(s)), dtype=dts.get(n, dtype),
+                                              device=device)
                                for n, s in shapes.items()}, shapes)
 
     def summary_bytes_per_page(self, head_dim: int, element_size: int) -> int:
-        return sum(math.prod(s) for s in self.summary_shapes(head_dim).values()) * element_size
+        """Summary bytes one page costs (``element_size``: the KV dtype's)."""
+        dts = self.summary_dtypes()
+        return sum(math.prod(s) * (dts[n].itemsize if n in dts else element_size)
+                   for n, s in self.summary_shapes(head_dim).items())
 
     # ---- algorithm operations -------------------------------------------------------------
     def index(self, k_cache: torch.Tensor, page_ids: torch.Tensor, num_tokens: torch.Tensor,
