@@ -26,7 +26,7 @@ import torch
 from . import ref
 
 __all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "head_bounds",
-           "select_pages", "resolve_backend",
+           "select_pages", "code_page_bounds", "resolve_backend",
            "patch_triton_interpreter", "BACKENDS", "SCORE_MODES", "ref"]
 
 BACKENDS = ("auto", "triton", "torch")
@@ -153,3 +153,16 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     return _triton(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages,
                    sink_pages, local_pages, out_pages, out_num, out_blocks, num_splits=num_splits,
                    n_sub=n_sub)
+
+
+def code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits, out=None, *,
+                     backend=None):
+    """Per-query-head page scores from token key codes (log-sum-exp of the approximate
+    logits, in bound units); see ``ref.code_page_bounds``. Triton: ``code_scores``.
+
+    q [B, Hq, D], kmin/kmax [S, D], codes [S, page_size * D * bits / 32] int32,
+    page_table [B, Hkv, W] int32, num_pages [B, Hkv] int32 -> [B, Hkv, G, W] float32."""
+    if resolve_backend(backend, q) == "torch":
+        return ref.code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits, out)
+    from .code_scores import code_page_bounds as _triton
+    return _triton(q, kmin, kmax, codes, page_table, num_pages, bits, out)

@@ -17,7 +17,8 @@ import torch
 
 __all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "head_bounds",
            "sub_bounds", "sub_table", "sub_page_rows", "mass_from_bounds", "page_mass",
-           "select_pages", "merge_attention", "SCORE_MODES"]
+           "select_pages", "merge_attention", "paged_decode_lse", "code_page_bounds",
+           "SCORE_MODES"]
 
 SCORE_MODES = ("quest", "arkvale")
 
@@ -348,3 +349,39 @@ def paged_decode_lse(q, k_cache, page_table, num_pages, last_page_len, scale):
     s = torch.einsum("bhgd,bhnd->bhgn", q.float().view(B, Hkv, Hq // Hkv, D), k) * scale
     s = s.masked_fill(~valid.reshape(B, Hkv, 1, W * page_size), float("-inf"))
     return torch.logsumexp(s, dim=-1).reshape(B, Hq)
+
+
+def code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits, out=None):
+    """Per-query-head page scores from token-level key codes (``sparse/keycodes.py``).
+
+    Args:
+        q:          [B, Hq, D]                      decode queries, Hq = Hkv * G
+        kmin, kmax: [S, D]                          each page's code range per channel
+        codes:      [S, page_size * D * bits / 32]  int32 words; code of (token t, channel c)
+                                                    at bit offset f = (t * D + c) * bits:
+                                                    ``(word[f // 32] >> f % 32) & (2**bits - 1)``
+        page_table: [B, Hkv, W] int32, num_pages [B, Hkv] int32
+        bits:       1 (level = code) or 2..  (level = (code + 0.5) / 2**bits)
+    Returns:
+        [B, Hkv, G, W] float32: ``logsumexp_t(scale * q_g · k^_t) / scale`` over the page's
+        tokens with ``k^ = kmin + (kmax - kmin) * level``, ``scale = D ** -0.5``; -inf past
+        num_pages. ``mass_from_bounds`` of it = the approximate token attention mass per page.
+    """
+    B, Hq, D = q.shape
+    _, Hkv, W = page_table.shape
+    ps = codes.shape[1] * 32 // (bits * D)
+    ok = torch.arange(W, device=q.device).view(1, 1, W) < num_pages.to(torch.long).unsqueeze(-1)
+    ids = torch.where(ok, page_table.to(torch.long), 0)
+    w = codes[ids].to(torch.int64) & 0xFFFFFFFF                               # [B, Hkv, W, nw]
+    shift = torch.arange(32 // bits, device=q.device) * bits
+    code = ((w.unsqueeze(-1) >> shift) & ((1 << bits) - 1)).flatten(-2)     # [B, Hkv, W, ps*D]
+    lev = code.float() if bits == 1 else (code.float() + 0.5) / (1 << bits)
+    lo, hi = kmin[ids].float(), kmax[ids].float()                            # [B, Hkv, W, D]
+    kh = lo.unsqueeze(-2) + (hi - lo).unsqueeze(-2) * lev.view(B, Hkv, W, ps, D)
+    scale = D ** -0.5
+    x = torch.einsum("bhgd,bhwtd->bhgwt", q.float().view(B, Hkv, Hq // Hkv, D), kh) * scale
+    s = (torch.logsumexp(x, dim=-1) / scale).masked_fill(~ok.unsqueeze(2), float("-inf"))
+    if out is None:
+        return s
+    out.copy_(s)
+    return out

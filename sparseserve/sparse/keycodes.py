@@ -22,13 +22,15 @@ Summaries per page: ``kmin``, ``kmax`` ([D] each, KV dtype) and ``codes`` (int32
 bytes (Quest/ArkVale's boxes: 3.1 %, 8-token boxes: 12.5 %).
 
 Selection cost: the select reads the codes (1/16 or 1/8 of the K bytes at bf16) and does a
-dot product per token, like dense attention over 1-2-bit keys. Here in torch (the CPU engine
-path and the reference); the fused GPU kernel is not written yet (the generic select runs).
+dot product per token, like dense attention over 1-2-bit keys. Scores: the Triton kernel
+``kernels/code_scores.py`` on CUDA (reference ``ref.code_page_bounds``), then the generic
+torch select (mass normalisation + top-k; not yet fused into one kernel as Quest's is).
 """
 from __future__ import annotations
 
 import torch
 
+from sparseserve.kernels import code_page_bounds
 from sparseserve.kernels.ref import mass_from_bounds
 from sparseserve.sparse.base import SparseAlgorithm, register
 
@@ -114,14 +116,12 @@ class KeyCodes(SparseAlgorithm):
                                 self.sink_pages, self.local_pages, scale)
 
     def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
-        B, hq, D = q.shape
-        hkv, W = page_table.shape[1:]
-        ok = torch.arange(W, device=q.device).view(1, 1, W) < num_pages.long().unsqueeze(-1)
-        ids = torch.where(ok, page_table.long(), 0)
-        kh = self.approx_keys(summaries, ids)                          # [B, Hkv, W, ps, D]
-        scale = D ** -0.5
-        x = torch.einsum("bhgd,bhwtd->bhgwt", q.float().view(B, hkv, hq // hkv, D), kh) * scale
-        return self.from_token_logits(x, num_pages, scale)
+        """[B, Hkv, W]: approximate token attention mass per page (kernels.code_page_bounds,
+        then ref.mass_from_bounds); +inf kept / last page, -inf past num_pages."""
+        u = code_page_bounds(q, summaries["kmin"], summaries["kmax"], summaries["codes"],
+                             page_table, num_pages, self.bits)
+        return mass_from_bounds(u, num_pages, self.sink_pages, self.local_pages,
+                                q.shape[-1] ** -0.5)
 
 
 @register("keycode1")
