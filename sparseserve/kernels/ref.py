@@ -265,7 +265,8 @@ def page_mass(q, kmin, kmax, page_table, num_pages, sink_pages, local_pages, out
 
 
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
-                 local_pages, out_pages=None, out_num=None, out_blocks=None, n_sub=1):
+                 local_pages, out_pages=None, out_num=None, out_blocks=None, n_sub=1,
+                 codes=None, bits=0):
     """Quest/ArkVale page selection: ``page_mass`` + kept pages + top-k, exactly
     ``SparseAlgorithm.select``'s torch path over ``Quest.score`` (the spec of
     ``page_select.select_pages``).
@@ -274,6 +275,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         q:             [B, Hq, D]          decode queries, Hq = Hkv * G
         kmin, kmax:    [S, n_sub * D]      summary box rows (n_sub boxes per page; a page's
                                            bound is the max of its boxes' bounds)
+        codes, bits:   token key codes (bits > 0): pages scored by ``code_page_bounds``
+                       instead of their boxes' bounds (kmin / kmax: the codes' range)
         page_table:    [B, Hkv, W] int32   all of each request's pages in order
         num_pages:     [B, Hkv] int32      valid entries of page_table (1..W)
         last_page_len: [B] int32           unused (the caller's Selection carries it)
@@ -287,8 +290,13 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         entries past it repeat the last page.
     """
     B, _, W = page_table.shape
-    scores = page_mass(q, kmin, kmax, page_table, num_pages, sink_pages, local_pages,
-                       n_sub=n_sub)
+    if bits:  # token key codes: approximate token attention mass per page
+        scores = mass_from_bounds(code_page_bounds(q, kmin, kmax, codes, page_table, num_pages,
+                                                   bits), num_pages, sink_pages, local_pages,
+                                  q.shape[-1] ** -0.5)
+    else:
+        scores = page_mass(q, kmin, kmax, page_table, num_pages, sink_pages, local_pages,
+                           n_sub=n_sub)
     n = num_pages.long().unsqueeze(-1)                                         # [B, Hkv, 1]
     blk = torch.arange(W, device=q.device).view(1, 1, W)
     kept = ((blk < sink_pages) | (blk >= n - local_pages)) & (blk < n)

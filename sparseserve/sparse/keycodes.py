@@ -22,17 +22,21 @@ Summaries per page: ``kmin``, ``kmax`` ([D] each, KV dtype) and ``codes`` (int32
 bytes (Quest/ArkVale's boxes: 3.1 %, 8-token boxes: 12.5 %).
 
 Selection cost: the select reads the codes (1/16 or 1/8 of the K bytes at bf16) and does a
-dot product per token, like dense attention over 1-2-bit keys. Scores: the Triton kernel
-``kernels/code_scores.py`` on CUDA (reference ``ref.code_page_bounds``), then the generic
-torch select (mass normalisation + top-k; not yet fused into one kernel as Quest's is).
+dot product per token, like dense attention over 1-2-bit keys. ``select`` is Quest's fused
+kernel (``kernels.select_pages(..., codes=, bits=)``: the score phase decodes each tile of
+pages' approximate keys and reduces their logits per page, the mass normalisation, threshold
+search and compaction are shared); ``score`` (the generic path) uses
+``kernels/code_scores.py``. Both have ``ref.code_page_bounds`` as their spec.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
-from sparseserve.kernels import code_page_bounds
+from sparseserve.kernels import code_page_bounds, select_pages
 from sparseserve.kernels.ref import mass_from_bounds
-from sparseserve.sparse.base import SparseAlgorithm, register
+from sparseserve.sparse.base import Selection, SparseAlgorithm, register
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -57,6 +61,7 @@ def unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
 class KeyCodes(SparseAlgorithm):
     summary_names = ("kmin", "kmax", "codes")
     bits = 1
+    fused_select = os.environ.get("SPARSESERVE_FUSED_SELECT", "1") not in ("0", "")
 
     def summary_shapes(self, head_dim):
         nw = self.page_size * head_dim * self.bits // 32
@@ -122,6 +127,17 @@ class KeyCodes(SparseAlgorithm):
                              page_table, num_pages, self.bits)
         return mass_from_bounds(u, num_pages, self.sink_pages, self.local_pages,
                                 q.shape[-1] ** -0.5)
+
+    def select(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
+        """One fused kernel (kernels.select_pages with codes): the same set of pages as the
+        generic select over score()."""
+        if not self.fused_select or type(self).score is not KeyCodes.score:
+            return super().select(q, page_table, num_pages, last_page_len, summaries, k_cache)
+        pages, num_sel, blocks = select_pages(
+            q, summaries["kmin"], summaries["kmax"], page_table, num_pages, last_page_len,
+            self.budget_pages, self.sink_pages, self.local_pages, codes=summaries["codes"],
+            bits=self.bits)
+        return Selection(pages, num_sel, last_page_len, blocks)
 
 
 @register("keycode1")

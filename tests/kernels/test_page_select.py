@@ -351,3 +351,44 @@ def test_mass_scoring_is_not_drowned_by_flat_heads():
             assert picked[1] in range(7, 15)
         else:
             assert picked == want
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 32), (4, 4, 16)])
+def test_select_with_key_codes_matches_reference(bits, Hq, Hkv, D):
+    """Token key codes through the fused kernel (``codes=``, ``bits=``): the kernel's pages are
+    the reference's (ref.select_pages with codes = mass_from_bounds(code_page_bounds)) at
+    1, 2, 3, 17, 54, 97 pages, fused and split launches; KeyCodes.select == generic select."""
+    gen = torch.Generator().manual_seed(bits * 5 + Hq)
+    ps = 16
+    B, W = len(NPAGES), 100
+    P = B * Hkv * W
+    alg = get_algorithm_class(f"keycode{bits}")(ps, 8, 1, 2)
+    summ = alg.make_summaries(P + 1, D)
+    k = torch.randn(P, ps, D, generator=gen)
+    alg.index(k, torch.arange(P, dtype=torch.int32), torch.full((P,), ps, dtype=torch.int32),
+              summ, None)
+    q, _, _, table, num = _case(NPAGES, Hq, Hkv, D, W, gen, "normal")
+    table = torch.where(table >= P, 0, table)  # garbage ids past num_pages stay in range
+    kmin, kmax, codes = summ["kmin"], summ["kmax"], summ["codes"]
+    for budget, sink, local, splits in ((8, 1, 2, 1), (16, 0, 1, 3)):
+        got = select_pages(q, kmin, kmax, table, num, None, budget, sink, local,
+                           num_splits=splits, codes=codes, bits=bits)
+        rp, rn, rb = ref.select_pages(*to_dev(q, kmin, kmax, table, num), None, budget, sink,
+                                      local, codes=to_dev(codes), bits=bits)
+        assert torch.equal(got[1].cpu(), rn.cpu())
+        for b in range(B):
+            for h in range(Hkv):
+                m = int(rn[b, h])
+                assert set(got[2][b, h, :m].tolist()) == set(rb[b, h, :m].tolist())
+    alg2 = get_algorithm_class(f"keycode{bits}")(ps, 8, 1, 2)
+    last = torch.full((B,), 3, dtype=torch.int32)
+    dev = LayerSummaries({n: t.to(DEVICE) for n, t in summ.tensors.items()}, summ.shapes)
+    fused = alg2.select(*to_dev(q, table, num, last), dev, None)
+    alg2.fused_select = False
+    plain = alg2.select(*to_dev(q, table, num, last), dev, None)
+    assert torch.equal(fused.num_pages, plain.num_pages)
+    for b in range(B):
+        for h in range(Hkv):
+            m = int(plain.num_pages[b, h])
+            assert set(fused.blocks[b, h, :m].tolist()) == set(plain.blocks[b, h, :m].tolist())
