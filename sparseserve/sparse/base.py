@@ -26,30 +26,35 @@ every algorithm. What an algorithm controls:
   over the selected pages through log-sum-exp (``kernels.ref.merge_attention``). ``None`` (the
   default) means exact attention over the selection only.
 
-Worked example — Quest with two boxes per 32-token page (``sparse/subpage.py`` is the real
-one, with ArkVale's boxes and a fused kernel)::
+Worked example — Quest with two boxes per page, complete (``sparse/subpage.py`` registers the
+real ones through ``Quest.box_tokens``; their fused kernel is ``kernels.select_pages(...,
+n_sub=)``; ``sparse/keycodes.py`` is a second, token-level example with int32 summaries)::
+
+    from sparseserve.kernels import head_bounds, update_page_summaries
+    from sparseserve.kernels.ref import mass_from_bounds, sub_page_rows
 
     @register("quest-half")
     class QuestHalf(SparseAlgorithm):
         summary_names = ("kmin", "kmax")
-        n_sub = 2                                # partitions per page
 
-        def summary_shapes(self, head_dim):       # two [D] boxes per page row
-            return {n: (self.n_sub, head_dim) for n in self.summary_names}
+        def summary_shapes(self, head_dim):       # each page row: two [D] boxes
+            return {n: (2, head_dim) for n in self.summary_names}
 
         def index(self, k_cache, page_ids, num_tokens, summaries, queries):
-            P, ps, D = k_cache.shape              # view pages as 2x as many half pages
-            sub_k = k_cache.view(P * 2, ps // 2, D)
-            ids, ntok = sub_rows(page_ids, num_tokens, 2, ps // 2)   # page p -> 2p, 2p + 1
-            kmin = summaries.view("kmin").view(-1, D)                # [S * 2, D]
-            kmax = summaries.view("kmax").view(-1, D)
-            update_page_summaries(sub_k, ids, ntok, kmin, kmax)
+            P, ps, D = k_cache.shape              # the pages as twice as many half pages
+            ids, ntok = sub_page_rows(page_ids, num_tokens, 2, ps // 2)  # p -> 2p, 2p + 1
+            update_page_summaries(k_cache.reshape(P * 2, ps // 2, D), ids, ntok,
+                                  summaries["kmin"].view(-1, D), summaries["kmax"].view(-1, D))
 
         def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
-            u = head_bounds(q, kmin, kmax, sub_table(page_table, 2), num_pages * 2)
-            u = u.view(*u.shape[:-1], -1, 2).amax(-1)          # page bound = max of its halves
+            # per query head, each page's bound = the max of its two boxes' bounds
+            u = head_bounds(q, summaries["kmin"], summaries["kmax"], page_table, num_pages,
+                            n_sub=2)
             return mass_from_bounds(u, num_pages, self.sink_pages, self.local_pages,
                                     q.shape[-1] ** -0.5)
+
+(A partial page's empty half keeps stale values here; ``Quest._index_boxes`` copies box 0
+into empty boxes. The engine only indexes full pages.)
 
 ``score`` may return anything ordered like "more worth attending" (``-inf`` past
 ``num_pages``); kept pages are forced by ``select``. A new algorithm is one file plus its
