@@ -32,7 +32,7 @@ def _code_scores_kernel(
     stride_ptb, stride_pth, stride_npb, stride_ob, stride_oh, stride_og,
     W, qk_scale2, inv_scale2,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PS: tl.constexpr, BITS: tl.constexpr, BLOCK_W: tl.constexpr,
+    PS: tl.constexpr, BITS: tl.constexpr, BLOCK_W: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -64,8 +64,9 @@ def _code_scores_kernel(
     kh = lo + (hi - lo) * lev                                               # [T, BLOCK_D]
     qm = d_ok[:, None] & (offs_g[None, :] < G)
     qt = tl.load(q_ptr + b64 * stride_qb + (h * G + offs_g[None, :]) * stride_qh
-                 + offs_d[:, None], mask=qm, other=0.0).to(tl.float32)     # [BLOCK_D, GP]
-    x = tl.dot(kh, qt, input_precision="ieee") * qk_scale2                 # [T, GP] log2 units
+                 + offs_d[:, None], mask=qm, other=0.0).to(kmax_ptr.dtype.element_ty)
+    # the dot in the summary dtype: tensor cores for 16-bit KV, exact IEEE for fp32
+    x = tl.dot(kh.to(qt.dtype), qt, input_precision=DOT_PREC) * qk_scale2  # [T, GP] log2
     x3 = tl.reshape(x, (BLOCK_W, PS, GP))
     mx = tl.max(x3, axis=1)                                                 # [BLOCK_W, GP]
     lse2 = mx + tl.log2(tl.sum(tl.exp2(x3 - mx[:, None, :]), axis=1))
@@ -85,6 +86,8 @@ def code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits, out=None
     B, Hq, D = q.shape
     _, Hkv, W = page_table.shape
     G = Hq // Hkv
+    if not q.is_cuda and kmax.dtype == torch.bfloat16:  # the interpreter's bf16 dot (triton#11584)
+        q, kmin, kmax = q.float(), kmin.float(), kmax.float()
     ps = codes.shape[1] * 32 // (bits * D)
     assert ps * D * bits == codes.shape[1] * 32 and ps & (ps - 1) == 0
     assert q.stride(2) == 1 and kmin.stride(1) == 1 and kmax.stride(1) == 1
@@ -106,5 +109,6 @@ def code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits, out=None
         q.stride(0), q.stride(1), kmin.stride(0), kmax.stride(0), codes.stride(0),
         page_table.stride(0), page_table.stride(1), num_pages.stride(0),
         out.stride(0), out.stride(1), out.stride(2), W, scale * LOG2E, 1.0 / (scale * LOG2E),
-        G=G, GP=GP, D=D, BLOCK_D=BLOCK_D, PS=ps, BITS=bits, BLOCK_W=block_w, num_warps=4)
+        G=G, GP=GP, D=D, BLOCK_D=BLOCK_D, PS=ps, BITS=bits, BLOCK_W=block_w,
+        DOT_PREC="ieee" if kmax.dtype == torch.float32 else "tf32", num_warps=4)
     return out

@@ -82,7 +82,7 @@ def _row_keys(s_row, stride_sg, offs, n, sink, local, lse, G: tl.constexpr, GP: 
 def _code_page_x(kmin_ptr, kmax_ptr, codes_ptr, stride_min, stride_max, stride_codes, pt_row,
                  w0, n, qt, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_W: tl.constexpr, PS: tl.constexpr, BITS: tl.constexpr,
-                 GP: tl.constexpr):
+                 GP: tl.constexpr, DOT_PREC: tl.constexpr):
     """[BLOCK_W, GP] per head: log2-sum-exp2 over each full page's tokens of the scaled
     approximate logits (key codes, ``ref.code_page_bounds`` times scale * log2 e)."""
     T: tl.constexpr = BLOCK_W * PS
@@ -105,7 +105,9 @@ def _code_page_x(kmin_ptr, kmax_ptr, codes_ptr, stride_min, stride_max, stride_c
     else:
         lev = (code.to(tl.float32) + 0.5) * (1.0 / (1 << BITS))
     kh = lo + (hi - lo) * lev                                               # [T, BLOCK_D]
-    xt = tl.dot(kh, qt.to(tl.float32), input_precision="ieee") * qk_scale   # [T, GP]
+    # the dot in the summary dtype (tensor cores for 16-bit KV; exact IEEE for fp32): the
+    # rounding of a decoded 2-bit key to bf16 is far below its quantisation error
+    xt = tl.dot(kh.to(qt.dtype), qt, input_precision=DOT_PREC) * qk_scale   # [T, GP] fp32
     x3 = tl.reshape(xt, (BLOCK_W, PS, GP))
     mx = tl.max(x3, axis=1)
     return mx + tl.log2(tl.sum(tl.exp2(x3 - mx[:, None, :]), axis=1))
@@ -168,7 +170,7 @@ def _page_select_kernel(
             else:  # token key codes: x = log2-sum-exp2 of the page's approximate logits
                 x = _code_page_x(kmin_ptr, kmax_ptr, codes_ptr, stride_min, stride_max,
                                  stride_codes, pt_row, c * BLOCK_W, n, qt, qk_scale, D,
-                                 BLOCK_D, BLOCK_W, PS, BITS, GP)
+                                 BLOCK_D, BLOCK_W, PS, BITS, GP, DOT_PREC)
             tl.store(s_row + offs_g[None, :] * stride_sg + offs_w[:, None], x,
                      mask=need[:, None] & (offs_g[None, :] < G))
             xm = tl.where(need[:, None], x, float("-inf"))

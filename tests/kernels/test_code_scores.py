@@ -68,7 +68,10 @@ def test_code_scores_wide_row_and_half_summaries():
         got = code_page_bounds(*to_dev(*args), 2)
         fin = torch.isfinite(want)
         assert torch.equal(fin, torch.isfinite(got))
-        close(got[fin], want[fin], rtol=1e-4, atol=1e-3)
+        if dtype == torch.float32:
+            close(got[fin], want[fin], rtol=1e-4, atol=1e-3)
+        else:  # on CUDA the dot runs in bf16 (decoded keys rounded): TOL[bf16]
+            close(got[fin], want[fin], dtype)
 
 
 def test_pack_unpack_roundtrip():
