@@ -20,7 +20,7 @@ def kv_bytes(s, ctx, batch, es):
 
 def build_pool(torch, s, device, dtype, ctx, bmax, names):
     """K/V pages of bmax requests in random physical order, and each algorithm's summaries."""
-    from sparseserve.sparse import LayerSummaries, get_algorithm_class
+    from sparseserve.sparse import get_algorithm_class
 
     ps, hkv, d = s["page_size"], s["num_kv_heads"], s["head_dim"]
     n = -(-ctx // ps)
@@ -36,8 +36,7 @@ def build_pool(torch, s, device, dtype, ctx, bmax, names):
     for name in names:
         alg = get_algorithm_class(name)(ps, s["token_budget"] // ps, s["sink_pages"],
                                         s["local_pages"])
-        summ = LayerSummaries({nm: torch.zeros(P + 1, d, dtype=dtype, device=device)
-                               for nm in alg.summary_names})
+        summ = alg.make_summaries(P + 1, d, dtype, device)
         for i in range(0, P, INDEX_CHUNK):
             alg.index(k, ids[i:i + INDEX_CHUNK], ntok[i:i + INDEX_CHUNK], summ, None)
         scratch = sum(t.numel() * t.element_size() for t in alg.scratch.values())

@@ -27,7 +27,9 @@ from sparseserve.bench.fidelity_metrics import compare_logits, pool
 from sparseserve.bench.fidelity_tail import BASE, Setting, TailHarness
 from sparseserve.bench.texts import load_texts
 
-SERVING = ("quest", "arkvale", "infllm")  # candidates for the default (oracle reads all keys)
+# candidates for the default (oracle reads all keys; streaming is a static baseline)
+SERVING = ("quest", "arkvale", "infllm", "quest-b16", "quest-b8", "arkvale-b16", "arkvale-b8",
+           "keycode1", "keycode2")
 
 SWEEP = ("s2l4d0", "s1l2d0", "s1l8d0", "s1l4d1", "s1l4d2")  # one knob at a time around BASE
 
@@ -56,8 +58,7 @@ class TeacherForced:
         self.texts = load_texts(tok, length, num_texts)
         self.preps, self.dense = [], []
         base = 0
-        summarised = [a for a in ("quest", "arkvale", "infllm")
-                      if any(x == a or x.startswith(a + "-") for x in algorithms)]
+        summarised = _summarised(algorithms)
         for t in self.texts:
             t0 = time.perf_counter()
             prep = harness.prefill(t.token_ids, length - tail, base=base, algorithms=summarised)
@@ -90,6 +91,21 @@ class TeacherForced:
                  f"{_f(row['top1_confident'])} kl {row['kl']:.4f} recall {_f(row['recall'])} "
                  f"({row['seconds']:.1f}s)")
         return row
+
+
+def _summarised(algorithms) -> list[str]:
+    """The algorithms whose prefix summaries a text needs: every registered one in the list
+    that keeps summaries, and the base algorithm of each scoring variant."""
+    from sparseserve.bench.fidelity_variants import VARIANTS
+    from sparseserve.sparse import available_algorithms, get_algorithm_class
+
+    out = []
+    for x in algorithms:
+        a = VARIANTS.get(x, x)
+        if a in available_algorithms() and get_algorithm_class(a).summary_names \
+                and a not in out:
+            out.append(a)
+    return out
 
 
 def _f(x) -> str:

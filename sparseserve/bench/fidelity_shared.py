@@ -206,21 +206,26 @@ def fast_kernels(shared: SharedText):
 
 
 def bound_scores(sh: SharedText, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                 w: int) -> torch.Tensor:
+                 w: int, n_sub: int = 1, per_box: bool = False) -> torch.Tensor:
     """Quest's per-query-head bound sum_c max(q_c hi_c, q_c lo_c) for the text's first w pages,
-    computed as q+ · hi + q- · lo (equal, since hi >= lo): [B, Hkv, G, w]."""
+    computed as q+ · hi + q- · lo (equal, since hi >= lo): [B, Hkv, G, w]. With n_sub boxes
+    per page row (hi, lo [S, n_sub * D]) the page's bound is the max of its boxes' (per_box:
+    [B, Hkv, G, w, n_sub], each box's)."""
     b, hq, d = q.shape
     rows = sh.base + torch.arange(w).view(1, w) * sh.hkv + torch.arange(sh.hkv).view(-1, 1)
-    hi_t, lo_t = hi[rows].float(), lo[rows].float()  # [Hkv, w, D]
+    hi_t = hi[rows].float().view(sh.hkv, w, n_sub, d)  # [Hkv, w, n, D]
+    lo_t = lo[rows].float().view(sh.hkv, w, n_sub, d)
     qg = q.float().view(b, sh.hkv, hq // sh.hkv, d)
-    return (torch.einsum("bhgd,hwd->bhgw", qg.clamp(min=0), hi_t)
-            + torch.einsum("bhgd,hwd->bhgw", qg.clamp(max=0), lo_t))
+    u = (torch.einsum("bhgd,hwjd->bhgwj", qg.clamp(min=0), hi_t)
+         + torch.einsum("bhgd,hwjd->bhgwj", qg.clamp(max=0), lo_t))
+    return u if per_box else u.amax(dim=-1)
 
 
 def shared_bounds_class(cls):
-    """A subclass of a min/max-summary algorithm (quest, arkvale or a scoring variant) whose
-    score reads the text's summaries once for all rows (fast mode) and turns the per-head
-    bounds into scores with the algorithm's own ``from_bounds``; its index() is the
+    """A subclass of a min/max-summary algorithm (quest, arkvale, their sub-page box variants
+    or a scoring variant) whose score reads the text's summaries once for all rows (fast mode)
+    and turns the per-head bounds into scores with the algorithm's own ``from_bounds`` (or
+    ``from_box_bounds``, per-box bounds, where a variant defines it); its index() is the
     original's."""
 
     class SharedBounds(cls):
@@ -233,10 +238,40 @@ def shared_bounds_class(cls):
                 return super().score(q, page_table, num_pages, last_page_len, summaries,
                                      k_cache)
             w = page_table.shape[2]
-            u = bound_scores(sh, q, summaries["kmin"], summaries["kmax"], w)
+            per_box = hasattr(self, "from_box_bounds")
+            u = bound_scores(sh, q, summaries["kmin"], summaries["kmax"], w, self.n_sub,
+                             per_box)
             past = torch.arange(w).view(1, 1, 1, w) >= num_pages.unsqueeze(-1).unsqueeze(-1)
+            if per_box:
+                return self.from_box_bounds(u.masked_fill(past.unsqueeze(-1), float("-inf")),
+                                            num_pages, q.shape[-1] ** -0.5)
             u = u.masked_fill(past, float("-inf"))  # head_bounds' contract
             return self.from_bounds(u, num_pages, q.shape[-1] ** -0.5)
 
     SharedBounds.__name__ = f"Shared{cls.__name__}"
     return SharedBounds
+
+
+def shared_codes_class(cls):
+    """A key-code algorithm (sparse/keycodes.py) whose score decodes the text's approximate
+    keys once for all rows (fast mode); same math as its own score()."""
+
+    class SharedCodes(cls):
+        shared: SharedText | None = None
+
+        def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
+            sh = self.shared
+            if sh is None or not sh.covers(page_table, num_pages):
+                return super().score(q, page_table, num_pages, last_page_len, summaries,
+                                     k_cache)
+            b, hq, d = q.shape
+            w = page_table.shape[2]
+            rows = sh.base + torch.arange(w).view(1, w) * sh.hkv + torch.arange(sh.hkv).view(-1, 1)
+            kh = self.approx_keys(summaries, rows)  # [Hkv, w, ps, D]
+            scale = d ** -0.5
+            x = torch.einsum("bhgd,hwtd->bhgwt", q.float().view(b, sh.hkv, hq // sh.hkv, d),
+                             kh) * scale
+            return self.from_token_logits(x, num_pages, scale)
+
+    SharedCodes.__name__ = f"Shared{cls.__name__}"
+    return SharedCodes

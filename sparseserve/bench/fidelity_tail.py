@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from sparseserve.bench.fidelity_shared import (RecallMeter, SharedOracle, SharedText, fast_kernels,
-                                               shared_bounds_class)
+                                               shared_bounds_class, shared_codes_class)
 from sparseserve.bench.fidelity_variants import CLASSES, VARIANTS
 from sparseserve.config import SparseConfig
 from sparseserve.engine.sched_output import NewRow, ScheduledChunk, SchedulerOutput
@@ -32,6 +32,7 @@ from sparseserve.kvcache.manager import cdiv
 from sparseserve.request import SamplingParams
 from sparseserve.sparse import get_algorithm_class
 from sparseserve.sparse.algorithms import Oracle, Quest
+from sparseserve.sparse.keycodes import KeyCodes
 from sparseserve.worker.sparse_runtime import SparseRuntime
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
@@ -261,8 +262,10 @@ def _fast_algorithm(a, shared: SharedText):
     """The same selection, scored from the shared text (fidelity_shared), where one exists."""
     if isinstance(a, Oracle):
         cls = SharedOracle
-    elif isinstance(a, Quest):  # quest, arkvale and their scoring variants
+    elif isinstance(a, Quest):  # quest, arkvale, their sub-page boxes and scoring variants
         cls = shared_bounds_class(type(a))
+    elif isinstance(a, KeyCodes):
+        cls = shared_codes_class(type(a))
     else:
         return a
     fast = cls(a.page_size, a.budget_pages, a.sink_pages, a.local_pages)

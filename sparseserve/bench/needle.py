@@ -181,6 +181,14 @@ def verify_with_llm(llm_kwargs: dict, hs: Haystack, setting: Setting, max_tokens
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _parse_key(key: str) -> Setting | None:
+    """"arkvale/b1024/s1/l2/d0" -> its Setting; None for anything else."""
+    import re
+
+    m = re.fullmatch(r"([\w.-]+)/b(\d+)/s(\d+)/l(\d+)/d(\d+)", key)
+    return None if m is None else Setting(m[1], *(int(m[i]) for i in range(2, 6)))
+
+
 def needle_settings(default: dict | None, algos, budgets, only=None) -> list[Setting]:
     """dense; every algorithm at the base settings at 512 and 2048 tokens (or the largest
     budget); the default at every budget. ``only``: keep just these keys, where 'default' and
@@ -204,6 +212,10 @@ def needle_settings(default: dict | None, algos, budgets, only=None) -> list[Set
         alias["default"] = Setting(default["algorithm"], max(budgets), *knobs).key
     keys = [alias.get(k, k) for k in only]
     extra = [Setting("oracle", max(budgets), *knobs)] if "oracle" in only else []
+    for k in keys:  # an explicit key of a setting the grid does not hold (another budget)
+        s = _parse_key(k)
+        if s is not None and s not in out and s not in extra:
+            extra.append(s)
     return [s for s in out + [e for e in extra if e not in out] if s.key in keys]
 
 
@@ -217,7 +229,8 @@ def run_needles(args, harness: TailHarness, tok, default: dict | None, algos, lo
     settings = needle_settings(default, algos, [max(args.budgets)] if quick else args.budgets,
                                only=getattr(args, "needle_settings", None))
     runner = NeedleRunner(harness, max_tokens=8)
-    summarised = ("quest", "arkvale", "infllm")
+    from sparseserve.bench.fidelity import _summarised
+    summarised = _summarised(["quest", "arkvale", "infllm"] + [s.algorithm for s in settings])
     rows: dict[str, dict] = {}
     checks = []
     for length in sorted(args.lengths):

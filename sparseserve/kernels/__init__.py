@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from . import ref
 
 __all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "head_bounds",
-           "select_pages", "resolve_backend",
+           "select_pages", "code_page_bounds", "resolve_backend",
            "patch_triton_interpreter", "BACKENDS", "SCORE_MODES", "ref"]
 
 BACKENDS = ("auto", "triton", "torch")
@@ -110,34 +112,58 @@ def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None, *
     return _triton(q, kmin, kmax, kradius, page_table, num_pages, mode, out, per_head)
 
 
-def head_bounds(q, kmin, kmax, page_table, num_pages, *, backend=None):
+def head_bounds(q, kmin, kmax, page_table, num_pages, *, backend=None, n_sub=1):
     """Per-query-head page bounds (the input of Quest/ArkVale's mass scoring,
-    ``ref.mass_from_bounds``); see ``ref.head_bounds``. Triton: ``page_scores`` per head.
+    ``ref.mass_from_bounds``); see ``ref.head_bounds``. Triton: ``page_scores`` per head
+    (over the sub-block rows when a page holds ``n_sub`` boxes, then the max per page).
 
-    q [B, Hq, D], kmin/kmax [S, D], page_table [B, Hkv, W] int32, num_pages [B, Hkv] int32
-    -> [B, Hkv, G, W] float32 (-inf past num_pages).
+    q [B, Hq, D], kmin/kmax [S, n_sub * D], page_table [B, Hkv, W] int32, num_pages [B, Hkv]
+    int32 -> [B, Hkv, G, W] float32 (-inf past num_pages).
     """
     if resolve_backend(backend, q) == "torch":
-        return ref.head_bounds(q, kmin, kmax, page_table, num_pages)
+        return ref.head_bounds(q, kmin, kmax, page_table, num_pages, n_sub)
     from .page_scores import score_pages as _triton
-    return _triton(q, kmin, kmax, None, page_table, num_pages, "quest", per_head=True)
+    if n_sub == 1:
+        return _triton(q, kmin, kmax, None, page_table, num_pages, "quest", per_head=True)
+    D = q.shape[-1]
+    B, Hkv, W = page_table.shape
+    u = _triton(q, kmin.view(-1, D), kmax.view(-1, D), None,
+                ref.sub_table(page_table, num_pages, n_sub), (num_pages * n_sub).to(torch.int32),
+                "quest", per_head=True)
+    return u.view(B, Hkv, -1, W, n_sub).amax(dim=-1)
 
 
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
                  local_pages, out_pages=None, out_num=None, out_blocks=None, *, backend=None,
-                 num_splits=None):
+                 num_splits=None, n_sub=1, codes=None, bits=0):
     """Fused Quest/ArkVale selection (score + kept pages + top-k); see
     ``page_select.select_pages``.
 
-    q [B, Hq, D], kmin/kmax [S, D], page_table [B, Hkv, W] int32, num_pages [B, Hkv] int32,
+    q [B, Hq, D], kmin/kmax [S, n_sub * D] (``n_sub`` boxes per page: a page's bound is the
+    max of its boxes'), page_table [B, Hkv, W] int32, num_pages [B, Hkv] int32,
     last_page_len [B] int32 -> pages [B, Hkv, K] int32, num_sel [B, Hkv] int32,
     blocks [B, Hkv, K] int64 with K = max(1, min(budget_pages - 1, W)) + 1.
     ``num_splits`` (Triton only): score programs per (request, KV head); 1 = one launch.
+    ``codes``, ``bits`` > 0: token key codes score the pages (``ref.code_page_bounds``).
     """
     if resolve_backend(backend, q) == "torch":
         return ref.select_pages(q, kmin, kmax, page_table, num_pages, last_page_len,
                                 budget_pages, sink_pages, local_pages, out_pages, out_num,
-                                out_blocks)
+                                out_blocks, n_sub=n_sub, codes=codes, bits=bits)
     from .page_select import select_pages as _triton
     return _triton(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages,
-                   sink_pages, local_pages, out_pages, out_num, out_blocks, num_splits=num_splits)
+                   sink_pages, local_pages, out_pages, out_num, out_blocks, num_splits=num_splits,
+                   n_sub=n_sub, codes=codes, bits=bits)
+
+
+def code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits, out=None, *,
+                     backend=None):
+    """Per-query-head page scores from token key codes (log-sum-exp of the approximate
+    logits, in bound units); see ``ref.code_page_bounds``. Triton: ``code_scores``.
+
+    q [B, Hq, D], kmin/kmax [S, D], codes [S, page_size * D * bits / 32] int32,
+    page_table [B, Hkv, W] int32, num_pages [B, Hkv] int32 -> [B, Hkv, G, W] float32."""
+    if resolve_backend(backend, q) == "torch":
+        return ref.code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits, out)
+    from .code_scores import code_page_bounds as _triton
+    return _triton(q, kmin, kmax, codes, page_table, num_pages, bits, out)

@@ -79,14 +79,49 @@ def _row_keys(s_row, stride_sg, offs, n, sink, local, lse, G: tl.constexpr, GP: 
 
 
 @triton.jit
+def _code_page_x(kmin_ptr, kmax_ptr, codes_ptr, stride_min, stride_max, stride_codes, pt_row,
+                 w0, n, qt, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_W: tl.constexpr, PS: tl.constexpr, BITS: tl.constexpr,
+                 GP: tl.constexpr, DOT_PREC: tl.constexpr):
+    """[BLOCK_W, GP] per head: log2-sum-exp2 over each full page's tokens of the scaled
+    approximate logits (key codes, ``ref.code_page_bounds`` times scale * log2 e)."""
+    T: tl.constexpr = BLOCK_W * PS
+    offs_r = tl.arange(0, T)
+    offs_d = tl.arange(0, BLOCK_D)
+    w_row = w0 + offs_r // PS
+    tok = offs_r % PS
+    r_ok = w_row < n - 1
+    page = tl.load(pt_row + w_row, mask=r_ok, other=0).to(tl.int64)
+    m2 = r_ok[:, None] & (offs_d < D)[None, :]
+    lo = tl.load(kmin_ptr + page[:, None] * stride_min + offs_d[None, :], mask=m2,
+                 other=0.0).to(tl.float32)
+    hi = tl.load(kmax_ptr + page[:, None] * stride_max + offs_d[None, :], mask=m2,
+                 other=0.0).to(tl.float32)
+    f = (tok[:, None] * D + offs_d[None, :]) * BITS
+    word = tl.load(codes_ptr + page[:, None] * stride_codes + f // 32, mask=m2, other=0)
+    code = (word >> (f % 32)) & ((1 << BITS) - 1)
+    if BITS == 1:
+        lev = code.to(tl.float32)
+    else:
+        lev = (code.to(tl.float32) + 0.5) * (1.0 / (1 << BITS))
+    kh = lo + (hi - lo) * lev                                               # [T, BLOCK_D]
+    # the dot in the summary dtype (tensor cores for 16-bit KV; exact IEEE for fp32): the
+    # rounding of a decoded 2-bit key to bf16 is far below its quantisation error
+    xt = tl.dot(kh.to(qt.dtype), qt, input_precision=DOT_PREC) * qk_scale   # [T, GP] fp32
+    x3 = tl.reshape(xt, (BLOCK_W, PS, GP))
+    mx = tl.max(x3, axis=1)
+    return mx + tl.log2(tl.sum(tl.exp2(x3 - mx[:, None, :]), axis=1))
+
+
+@triton.jit
 def _page_select_kernel(
-    q_ptr, kmin_ptr, kmax_ptr, pt_ptr, np_ptr, s_ptr, ml_ptr, key_ptr, pages_ptr, blocks_ptr,
-    nsel_ptr,
-    stride_qb, stride_qh, stride_min, stride_max, stride_ptb, stride_pth, stride_npb,
+    q_ptr, kmin_ptr, kmax_ptr, codes_ptr, pt_ptr, np_ptr, s_ptr, ml_ptr, key_ptr, pages_ptr,
+    blocks_ptr, nsel_ptr,
+    stride_qb, stride_qh, stride_min, stride_max, stride_codes, stride_ptb, stride_pth, stride_npb,
     stride_sb, stride_sh, stride_sg, stride_mlb, stride_mlh,
     stride_kb, stride_kh, stride_pb, stride_ph, stride_bb, stride_bh, stride_nb,
     W, k_top, k_out, sink, local, chunks_per_split, num_splits, qk_scale,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr,
+    NSUB: tl.constexpr, BITS: tl.constexpr, PS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, TILE: tl.constexpr, ONE_TILE: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, DO_SCORE: tl.constexpr,
     DO_SELECT: tl.constexpr,
@@ -120,13 +155,22 @@ def _page_select_kernel(
             need = offs_w < n - 1  # full pages, kept ones included (they normalise too)
             page = tl.load(pt_row + offs_w, mask=need, other=0).to(tl.int64)
             m2 = need[:, None] & d_ok[None, :]
-            hi = tl.load(kmax_ptr + page[:, None] * stride_max + offs_d[None, :], mask=m2,
-                         other=0.0)                                          # [BLOCK_W, BLOCK_D]
-            lo = tl.load(kmin_ptr + page[:, None] * stride_min + offs_d[None, :], mask=m2,
-                         other=0.0).to(hi.dtype)
-            u = tl.dot(hi, qp, input_precision=DOT_PREC)                     # [BLOCK_W, GP] fp32
-            u = tl.dot(lo, qn, acc=u, input_precision=DOT_PREC)
-            x = u * qk_scale
+            if BITS == 0:
+                u = tl.full([BLOCK_W, GP], float("-inf"), tl.float32)
+                # a page row holds NSUB boxes of D channels: the page's bound is their max
+                for j in tl.static_range(NSUB):
+                    hi = tl.load(kmax_ptr + page[:, None] * stride_max + j * D
+                                 + offs_d[None, :], mask=m2, other=0.0)      # [BLOCK_W, BLOCK_D]
+                    lo = tl.load(kmin_ptr + page[:, None] * stride_min + j * D
+                                 + offs_d[None, :], mask=m2, other=0.0).to(hi.dtype)
+                    uj = tl.dot(hi, qp, input_precision=DOT_PREC)            # [BLOCK_W, GP] fp32
+                    uj = tl.dot(lo, qn, acc=uj, input_precision=DOT_PREC)
+                    u = tl.maximum(u, uj)
+                x = u * qk_scale
+            else:  # token key codes: x = log2-sum-exp2 of the page's approximate logits
+                x = _code_page_x(kmin_ptr, kmax_ptr, codes_ptr, stride_min, stride_max,
+                                 stride_codes, pt_row, c * BLOCK_W, n, qt, qk_scale, D,
+                                 BLOCK_D, BLOCK_W, PS, BITS, GP, DOT_PREC)
             tl.store(s_row + offs_g[None, :] * stride_sg + offs_w[:, None], x,
                      mask=need[:, None] & (offs_g[None, :] < G))
             xm = tl.where(need[:, None], x, float("-inf"))
@@ -230,13 +274,15 @@ def _default_splits(q, rows: int, chunks: int) -> int:
 
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
                  local_pages, out_pages=None, out_num=None, out_blocks=None, *, num_splits=None,
-                 block_w=None, num_warps=None):
+                 block_w=None, num_warps=None, n_sub=1, codes=None, bits=0):
     """Fused Quest/ArkVale page selection by estimated attention mass
 (``SparseAlgorithm.select``'s contract over ``Quest.score``; spec: ``ref.select_pages``).
 
     Args:
         q:             [B, Hq, D]          decode queries, Hq = Hkv * G (last dim contiguous)
-        kmin, kmax:    [S, D]              summary box rows (kmin <= kmax elementwise)
+        kmin, kmax:    [S, n_sub * D]      summary box rows (kmin <= kmax elementwise); a row
+                                           holds n_sub boxes (sub-page partitions), the page's
+                                           bound per head is the max of its boxes' bounds
         page_table:    [B, Hkv, W] int32   all of each request's pages in order
         num_pages:     [B, Hkv] int32      valid entries of page_table (1..W)
         last_page_len: [B] int32           unused here (the caller's Selection carries it)
@@ -244,6 +290,11 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         out_pages / out_num / out_blocks:  optional outputs, written in place
         num_splits:    score programs per row (1 = one fused launch; default: by SM count)
         block_w, num_warps: tuning overrides (pages per score step; warps of each launch)
+        n_sub:         boxes per page row (1: Quest / ArkVale's one box per page)
+        codes, bits:   token key codes (``sparse/keycodes.py``): codes [S, page_size * D *
+                       bits / 32] int32 and kmin/kmax [S, D] their range; a page's per-head
+                       score input is then the log-sum-exp of its tokens' approximate logits
+                       (``ref.code_page_bounds``) instead of a box bound
     Returns:
         pages [B, Hkv, K] int32 physical ids, num_sel [B, Hkv] int32, blocks [B, Hkv, K] int64
         logical indices, K = max(1, min(budget - 1, W)) + 1 (= budget when W >= budget - 1).
@@ -258,6 +309,13 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     B, Hq, D = q.shape
     _, Hkv, W = page_table.shape
     assert Hq % Hkv == 0 and W >= 1
+    assert kmin.shape[-1] == n_sub * D and kmax.shape[-1] == n_sub * D
+    ps = 1
+    if bits:
+        assert n_sub == 1 and codes is not None and codes.dtype == torch.int32
+        assert codes.stride(1) == 1
+        ps = codes.shape[1] * 32 // (bits * D)
+        assert ps * bits * D == codes.shape[1] * 32 and ps & (ps - 1) == 0
     if not q.is_cuda and kmax.dtype == torch.bfloat16:
         # Triton's interpreter multiplies bf16 dot operands' bit patterns (triton#11584):
         # run it in fp32 there (exact: bf16 values are fp32 values)
@@ -289,7 +347,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     num_splits, block_w, num_warps = (num_splits or NUM_SPLITS, block_w or BLOCK_W,
                                       num_warps or NUM_WARPS)
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    block_w = block_w or max(16, min(64, 8192 // BLOCK_D))
+    block_w = block_w or (max(1, min(16, 8192 // (ps * BLOCK_D))) if bits
+                          else max(16, min(64, 8192 // BLOCK_D)))
     TILE = max(16, min(MAX_TILE, triton.next_power_of_2(W)))
     chunks = triton.cdiv(W, block_w)
     splits = num_splits or _default_splits(q, B * Hkv, chunks)
@@ -300,14 +359,16 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     ml = torch.empty(B, Hkv, splits, 2 * GP, dtype=torch.float32, device=dev)  # split partials
     keys = torch.empty(B, Hkv, W if TILE < W else 1, dtype=torch.int32, device=dev)
     sel_warps = num_warps or (4 if TILE <= 1024 else 8 if TILE <= 4096 else 16)
-    args = (q, kmin, kmax, page_table, num_pages, xs, ml, keys, out_pages, out_blocks, out_num,
-            q.stride(0), q.stride(1), kmin.stride(0), kmax.stride(0), page_table.stride(0),
+    cd = codes if bits else page_table  # any int32 tensor when unused
+    args = (q, kmin, kmax, cd, page_table, num_pages, xs, ml, keys, out_pages, out_blocks,
+            out_num, q.stride(0), q.stride(1), kmin.stride(0), kmax.stride(0), cd.stride(0),
+            page_table.stride(0),
             page_table.stride(1), num_pages.stride(0), xs.stride(0), xs.stride(1), xs.stride(2),
             ml.stride(0), ml.stride(1), keys.stride(0), keys.stride(1),
             out_pages.stride(0), out_pages.stride(1), out_blocks.stride(0), out_blocks.stride(1),
             out_num.stride(0), W, k_top, k_out, sink_pages, local_pages, cps, splits,
             D ** -0.5 * LOG2E)
-    meta = dict(G=G, GP=GP, D=D, BLOCK_W=block_w, BLOCK_D=BLOCK_D,
+    meta = dict(NSUB=n_sub, BITS=bits, PS=ps, G=G, GP=GP, D=D, BLOCK_W=block_w, BLOCK_D=BLOCK_D,
                 BLOCK_S=triton.next_power_of_2(splits), TILE=TILE, ONE_TILE=TILE >= W,
                 BLOCK_K=triton.next_power_of_2(k_out),
                 # fp32 summaries: exact products (no TF32); 16-bit operands multiply exactly

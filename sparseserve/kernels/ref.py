@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 
 __all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "head_bounds",
-           "mass_from_bounds", "page_mass", "select_pages", "SCORE_MODES"]
+           "sub_bounds", "sub_table", "sub_page_rows", "mass_from_bounds", "page_mass",
+           "select_pages", "merge_attention", "paged_decode_lse", "code_page_bounds",
+           "SCORE_MODES"]
 
 SCORE_MODES = ("quest", "arkvale")
 
@@ -150,27 +152,61 @@ def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None, p
     return out
 
 
-def head_bounds(q, kmin, kmax, page_table, num_pages):
-    """Per-query-head upper bounds of q·k over each candidate page's summary box.
+def sub_table(page_table, num_pages, n_sub):
+    """[B, Hkv, W * n_sub] int32 sub-block rows ``page * n_sub + j`` of the valid entries
+    (0 past num_pages: never read) — a page table over the rows of a ``[S * n_sub, D]`` view
+    of ``[S, n_sub * D]`` summaries. n_sub = 1: the page table itself (valid entries)."""
+    B, Hkv, W = page_table.shape
+    ok = torch.arange(W, device=page_table.device).view(1, 1, W) < num_pages.to(torch.long).unsqueeze(-1)
+    pages = torch.where(ok, page_table.to(torch.long), 0)
+    j = torch.arange(n_sub, device=page_table.device)
+    return (pages.unsqueeze(-1) * n_sub + j).reshape(B, Hkv, W * n_sub).to(torch.int32)
+
+
+def sub_bounds(q, kmin, kmax, page_table, num_pages, n_sub=1):
+    """Per-query-head upper bounds of q·k over each of a page's ``n_sub`` summary boxes.
 
     Args:
-        q:          [B, Hq, D]          decode queries, Hq = Hkv * G
-        kmin, kmax: [S, D]              summary box rows (kmin <= kmax elementwise)
-        page_table: [B, Hkv, W] int32   candidate pages (summary rows)
-        num_pages:  [B, Hkv] int32      valid entries of page_table[b, h]
+        q:          [B, Hq, D]               decode queries, Hq = Hkv * G
+        kmin, kmax: [S, n_sub * D]           per page row, n_sub boxes of D channels each
+                                             (kmin <= kmax elementwise); n_sub = 1: one box
+        page_table: [B, Hkv, W] int32        candidate pages (summary rows)
+        num_pages:  [B, Hkv] int32           valid entries of page_table[b, h]
     Returns:
-        bounds: [B, Hkv, G, W] float32, bounds[b, h, g, w] = sum_c max(q_c M_c, q_c m_c) for
-        query head h * G + g, computed as q+ · M + q- · m (equal because M >= m: the max picks
-        q_c M_c exactly when q_c >= 0); entries w >= num_pages[b, h] are -inf.
+        bounds: [B, Hkv, G, W, n_sub] float32, bounds[b, h, g, w, j] = sum_c max(q_c M_c,
+        q_c m_c) over box j of page w for query head h * G + g, computed as q+ · M + q- · m
+        (equal because M >= m); entries w >= num_pages[b, h] are -inf.
     """
     B, Hq, D = q.shape
     _, Hkv, W = page_table.shape
     ok = torch.arange(W, device=q.device).view(1, 1, W) < num_pages.to(torch.long).unsqueeze(-1)
     ids = torch.where(ok, page_table.to(torch.long), 0)                        # [B, Hkv, W]
     qf = q.float().view(B, Hkv, Hq // Hkv, D)                                  # [B, Hkv, G, D]
-    u = (torch.einsum("bhgd,bhwd->bhgw", qf.clamp(min=0), kmax[ids].float())
-         + torch.einsum("bhgd,bhwd->bhgw", qf.clamp(max=0), kmin[ids].float()))
-    return u.masked_fill(~ok.unsqueeze(2), float("-inf"))
+    hi = kmax.view(kmax.shape[0], n_sub, D)[ids].float()                       # [B, Hkv, W, n, D]
+    lo = kmin.view(kmin.shape[0], n_sub, D)[ids].float()
+    u = (torch.einsum("bhgd,bhwjd->bhgwj", qf.clamp(min=0), hi)
+         + torch.einsum("bhgd,bhwjd->bhgwj", qf.clamp(max=0), lo))
+    return u.masked_fill(~ok.unsqueeze(2).unsqueeze(-1), float("-inf"))
+
+
+def head_bounds(q, kmin, kmax, page_table, num_pages, n_sub=1):
+    """Per-query-head upper bounds of q·k over each candidate page's summary boxes.
+
+    Args:
+        q:          [B, Hq, D]          decode queries, Hq = Hkv * G
+        kmin, kmax: [S, n_sub * D]      summary box rows (kmin <= kmax elementwise); a page
+                                        row holds ``n_sub`` boxes (sub-page partitions)
+        page_table: [B, Hkv, W] int32   candidate pages (summary rows)
+        num_pages:  [B, Hkv] int32      valid entries of page_table[b, h]
+        n_sub:      boxes per page (1: one box over the whole page)
+    Returns:
+        bounds: [B, Hkv, G, W] float32, bounds[b, h, g, w] = max over the page's boxes of
+        sum_c max(q_c M_c, q_c m_c) for query head h * G + g (a bound on the page's largest
+        logit, tighter the finer the boxes), computed as q+ · M + q- · m (equal because
+        M >= m: the max picks q_c M_c exactly when q_c >= 0); entries w >= num_pages[b, h]
+        are -inf.
+    """
+    return sub_bounds(q, kmin, kmax, page_table, num_pages, n_sub).amax(dim=-1)
 
 
 def mass_from_bounds(bounds, num_pages, sink_pages, local_pages, scale, out=None,
@@ -219,23 +255,28 @@ def mass_from_bounds(bounds, num_pages, sink_pages, local_pages, scale, out=None
     return out
 
 
-def page_mass(q, kmin, kmax, page_table, num_pages, sink_pages, local_pages, out=None):
+def page_mass(q, kmin, kmax, page_table, num_pages, sink_pages, local_pages, out=None,
+              n_sub=1):
     """Quest/ArkVale's page scores: ``mass_from_bounds(head_bounds(...))`` at the attention
-    scale ``D ** -0.5``. q [B, Hq, D], kmin/kmax [S, D], page_table [B, Hkv, W] int32,
+    scale ``D ** -0.5``. q [B, Hq, D], kmin/kmax [S, n_sub * D], page_table [B, Hkv, W] int32,
     num_pages [B, Hkv] int32 -> [B, Hkv, W] float32 (see mass_from_bounds)."""
-    u = head_bounds(q, kmin, kmax, page_table, num_pages)
+    u = head_bounds(q, kmin, kmax, page_table, num_pages, n_sub)
     return mass_from_bounds(u, num_pages, sink_pages, local_pages, q.shape[-1] ** -0.5, out)
 
 
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
-                 local_pages, out_pages=None, out_num=None, out_blocks=None):
+                 local_pages, out_pages=None, out_num=None, out_blocks=None, n_sub=1,
+                 codes=None, bits=0):
     """Quest/ArkVale page selection: ``page_mass`` + kept pages + top-k, exactly
     ``SparseAlgorithm.select``'s torch path over ``Quest.score`` (the spec of
     ``page_select.select_pages``).
 
     Args:
         q:             [B, Hq, D]          decode queries, Hq = Hkv * G
-        kmin, kmax:    [S, D]              summary box rows
+        kmin, kmax:    [S, n_sub * D]      summary box rows (n_sub boxes per page; a page's
+                                           bound is the max of its boxes' bounds)
+        codes, bits:   token key codes (bits > 0): pages scored by ``code_page_bounds``
+                       instead of their boxes' bounds (kmin / kmax: the codes' range)
         page_table:    [B, Hkv, W] int32   all of each request's pages in order
         num_pages:     [B, Hkv] int32      valid entries of page_table (1..W)
         last_page_len: [B] int32           unused (the caller's Selection carries it)
@@ -249,7 +290,13 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         entries past it repeat the last page.
     """
     B, _, W = page_table.shape
-    scores = page_mass(q, kmin, kmax, page_table, num_pages, sink_pages, local_pages)
+    if bits:  # token key codes: approximate token attention mass per page
+        scores = mass_from_bounds(code_page_bounds(q, kmin, kmax, codes, page_table, num_pages,
+                                                   bits), num_pages, sink_pages, local_pages,
+                                  q.shape[-1] ** -0.5)
+    else:
+        scores = page_mass(q, kmin, kmax, page_table, num_pages, sink_pages, local_pages,
+                           n_sub=n_sub)
     n = num_pages.long().unsqueeze(-1)                                         # [B, Hkv, 1]
     blk = torch.arange(W, device=q.device).view(1, 1, W)
     kept = ((blk < sink_pages) | (blk >= n - local_pages)) & (blk < n)
@@ -268,3 +315,81 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     outs = (out_pages, out_num, out_blocks)
     res = (pages, num_sel, blocks)
     return tuple(r if o is None else o.copy_(r) for o, r in zip(outs, res))
+
+
+def sub_page_rows(page_ids, num_tokens, n_sub, sub_size):
+    """Sub-block rows of listed pages, for indexing ``n_sub`` partitions per page with a
+    page-summary kernel over a ``[P * n_sub, sub_size, D]`` view of the K pages.
+
+    page_ids [N] int32 (< 0 = padding), num_tokens [N] int32 (1..n_sub * sub_size) ->
+    (ids [N * n_sub] int32: ``page * n_sub + j``, -1 for padding and for sub-blocks without
+    a valid token; ntok [N * n_sub] int32 valid tokens of each sub-block, >= 1)."""
+    j = torch.arange(n_sub, device=page_ids.device).view(1, -1)
+    n = num_tokens.to(torch.long).view(-1, 1)
+    live = (page_ids.view(-1, 1) >= 0) & (j * sub_size < n)
+    ids = torch.where(live, page_ids.to(torch.long).view(-1, 1) * n_sub + j, -1)
+    ntok = (n - j * sub_size).clamp(min=1, max=sub_size)
+    return ids.reshape(-1).to(torch.int32), ntok.reshape(-1).to(torch.int32)
+
+
+def merge_attention(o_sel, lse_sel, o_est, lse_est):
+    """Merge two attention parts by log-sum-exp: ``o = w o_sel + (1 - w) o_est`` with
+    ``w = exp(lse_sel - logaddexp(lse_sel, lse_est))`` — exact when each part is a softmax-
+    normalised output over disjoint token sets and lse its log-sum-exp of scaled logits.
+
+    o_sel, o_est [B, Hq, D]; lse_sel, lse_est [B, Hq] float32 (lse_est = -inf: no estimate)
+    -> [B, Hq, D] in o_sel's dtype."""
+    lse = torch.logaddexp(lse_sel.float(), lse_est.float())
+    w = torch.exp(lse_sel.float() - lse).nan_to_num(1.0).unsqueeze(-1)
+    o = w * o_sel.float() + (1.0 - w) * o_est.float().nan_to_num(0.0)
+    return o.to(o_sel.dtype)
+
+
+def paged_decode_lse(q, k_cache, page_table, num_pages, last_page_len, scale):
+    """[B, Hq] float32 log-sum-exp of ``scale * q·k`` over the tokens ``paged_decode_attention``
+    attends (same arguments): the exact part's weight when an estimate is merged."""
+    B, Hq, D = q.shape
+    _, Hkv, W = page_table.shape
+    page_size = k_cache.shape[1]
+    valid = _valid_token_mask(num_pages, last_page_len, W, page_size)
+    ids = torch.where(valid[..., 0], page_table.to(torch.long), 0)
+    k = k_cache[ids].float().reshape(B, Hkv, W * page_size, D)
+    s = torch.einsum("bhgd,bhnd->bhgn", q.float().view(B, Hkv, Hq // Hkv, D), k) * scale
+    s = s.masked_fill(~valid.reshape(B, Hkv, 1, W * page_size), float("-inf"))
+    return torch.logsumexp(s, dim=-1).reshape(B, Hq)
+
+
+def code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits, out=None):
+    """Per-query-head page scores from token-level key codes (``sparse/keycodes.py``).
+
+    Args:
+        q:          [B, Hq, D]                      decode queries, Hq = Hkv * G
+        kmin, kmax: [S, D]                          each page's code range per channel
+        codes:      [S, page_size * D * bits / 32]  int32 words; code of (token t, channel c)
+                                                    at bit offset f = (t * D + c) * bits:
+                                                    ``(word[f // 32] >> f % 32) & (2**bits - 1)``
+        page_table: [B, Hkv, W] int32, num_pages [B, Hkv] int32
+        bits:       1 (level = code) or 2..  (level = (code + 0.5) / 2**bits)
+    Returns:
+        [B, Hkv, G, W] float32: ``logsumexp_t(scale * q_g · k^_t) / scale`` over the page's
+        tokens with ``k^ = kmin + (kmax - kmin) * level``, ``scale = D ** -0.5``; -inf past
+        num_pages. ``mass_from_bounds`` of it = the approximate token attention mass per page.
+    """
+    B, Hq, D = q.shape
+    _, Hkv, W = page_table.shape
+    ps = codes.shape[1] * 32 // (bits * D)
+    ok = torch.arange(W, device=q.device).view(1, 1, W) < num_pages.to(torch.long).unsqueeze(-1)
+    ids = torch.where(ok, page_table.to(torch.long), 0)
+    w = codes[ids].to(torch.int64) & 0xFFFFFFFF                               # [B, Hkv, W, nw]
+    shift = torch.arange(32 // bits, device=q.device) * bits
+    code = ((w.unsqueeze(-1) >> shift) & ((1 << bits) - 1)).flatten(-2)     # [B, Hkv, W, ps*D]
+    lev = code.float() if bits == 1 else (code.float() + 0.5) / (1 << bits)
+    lo, hi = kmin[ids].float(), kmax[ids].float()                            # [B, Hkv, W, D]
+    kh = lo.unsqueeze(-2) + (hi - lo).unsqueeze(-2) * lev.view(B, Hkv, W, ps, D)
+    scale = D ** -0.5
+    x = torch.einsum("bhgd,bhwtd->bhgwt", q.float().view(B, Hkv, Hq // Hkv, D), kh) * scale
+    s = (torch.logsumexp(x, dim=-1) / scale).masked_fill(~ok.unsqueeze(2), float("-inf"))
+    if out is None:
+        return s
+    out.copy_(s)
+    return out

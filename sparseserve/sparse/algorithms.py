@@ -7,7 +7,7 @@ import os
 import torch
 
 from sparseserve.kernels import head_bounds, select_pages, update_page_summaries
-from sparseserve.kernels.ref import mass_from_bounds
+from sparseserve.kernels.ref import mass_from_bounds, sub_page_rows
 from sparseserve.sparse.base import Selection, SparseAlgorithm, register
 
 
@@ -35,13 +35,52 @@ class Quest(SparseAlgorithm):
     # one fused kernel for score + kept pages + top-k (kernels.select_pages); False, or
     # SPARSESERVE_FUSED_SELECT=0 in the environment, falls back to the generic torch select
     fused_select = os.environ.get("SPARSESERVE_FUSED_SELECT", "1") not in ("0", "")
+    # tokens per summary box; None = the whole page. Smaller boxes (sparse/subpage.py) keep
+    # page_size // box_tokens boxes per page and bound a page by the max of its boxes' bounds
+    box_tokens: int | None = None
+
+    def __init__(self, page_size, budget_pages, sink_pages, local_pages):
+        super().__init__(page_size, budget_pages, sink_pages, local_pages)
+        box = min(self.box_tokens or page_size, page_size)
+        if page_size % box:
+            raise ValueError(f"{self.name}: box_tokens {box} must divide page_size {page_size}")
+        self.n_sub = page_size // box  # boxes per page
+
+    def summary_shapes(self, head_dim):
+        return {n: (self.n_sub, head_dim) for n in self.summary_names}
+
+    def _boxes(self, summaries):
+        """The kmin / kmax summaries as [rows * n_sub, D] (one row per box)."""
+        return (summaries["kmin"].view(-1, summaries["kmin"].shape[1] // self.n_sub),
+                summaries["kmax"].view(-1, summaries["kmax"].shape[1] // self.n_sub))
+
+    def _index_boxes(self, k_cache, page_ids, num_tokens, kmin, kmax, radius=None):
+        """Per-box min / max (and ArkVale's radius) of the listed pages, rows [S * n_sub, D]."""
+        n = self.n_sub
+        if n == 1:
+            update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, radius)
+            return
+        P, ps, D = k_cache.shape
+        ids, ntok = sub_page_rows(page_ids, num_tokens, n, ps // n)
+        update_page_summaries(k_cache.reshape(P * n, ps // n, D), ids, ntok, kmin, kmax, radius)
+        # boxes without a valid token (a partial page) repeat box 0: the page's max unchanged
+        S = kmin.shape[0] // n
+        rows = torch.where(page_ids >= 0, page_ids, S - 1).long()  # masked -> scratch row
+        empty = (torch.arange(n, device=page_ids.device).view(1, n, 1) * (ps // n)
+                 >= num_tokens.view(-1, 1, 1))
+        for t in (kmin, kmax) if radius is None else (kmin, kmax, radius):
+            v = t.view(S, n, D)
+            cur = v[rows]
+            v[rows] = torch.where(empty, cur[:, :1], cur)
 
     def index(self, k_cache, page_ids, num_tokens, summaries, queries):
-        update_page_summaries(k_cache, page_ids, num_tokens, summaries["kmin"], summaries["kmax"])
+        kmin, kmax = self._boxes(summaries)
+        self._index_boxes(k_cache, page_ids, num_tokens, kmin, kmax)
 
     def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
         """[B, Hkv, W] float32: mass of scored pages, +inf kept / last page, -inf past n."""
-        u = head_bounds(q, summaries["kmin"], summaries["kmax"], page_table, num_pages)
+        kmin, kmax = summaries["kmin"], summaries["kmax"]
+        u = head_bounds(q, kmin, kmax, page_table, num_pages, n_sub=self.n_sub)
         return self.from_bounds(u, num_pages, q.shape[-1] ** -0.5)
 
     def from_bounds(self, bounds, num_pages, scale):
@@ -60,7 +99,7 @@ class Quest(SparseAlgorithm):
             return super().select(q, page_table, num_pages, last_page_len, summaries, k_cache)
         pages, num_sel, blocks = select_pages(
             q, summaries["kmin"], summaries["kmax"], page_table, num_pages, last_page_len,
-            self.budget_pages, self.sink_pages, self.local_pages)
+            self.budget_pages, self.sink_pages, self.local_pages, n_sub=self.n_sub)
         return Selection(pages, num_sel, last_page_len, blocks)
 
 
@@ -74,12 +113,15 @@ class ArkVale(Quest):
     fused select reuse Quest's kernels."""
 
     def index(self, k_cache, page_ids, num_tokens, summaries, queries):
-        kmin, kmax = summaries["kmin"], summaries["kmax"]
+        kmin, kmax = self._boxes(summaries)
         radius = self.scratch.get("radius")
         if radius is None or radius.shape != kmin.shape or radius.device != kmin.device:
             radius = self.scratch["radius"] = torch.zeros_like(kmin)
-        update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, radius)
-        rows = torch.where(page_ids >= 0, page_ids, kmin.shape[0] - 1).long()  # masked -> scratch
+        self._index_boxes(k_cache, page_ids, num_tokens, kmin, kmax, radius)
+        # the box rows of the listed pages (masked lanes -> the scratch row's boxes)
+        n = self.n_sub
+        pages = torch.where(page_ids >= 0, page_ids, kmin.shape[0] // n - 1).long()
+        rows = (pages.view(-1, 1) * n + torch.arange(n, device=pages.device)).reshape(-1)
         c = (kmin[rows].float() + kmax[rows].float()) * 0.5
         r = radius[rows].float()
         kmin[rows] = (c - r).to(kmin.dtype)

@@ -1,19 +1,69 @@
-"""The sparse-algorithm interface (DESIGN.md §4).
+"""The sparse-algorithm interface (DESIGN.md §4): five operations, two of them the algorithm's.
 
-An algorithm writes two operations and declares its summaries:
+An algorithm writes ``index`` and ``score`` (the algorithm half of ``select``) and declares its
+summaries; ``attend`` (paged decode over the selected pages), ``retrieve`` (map selected pages to
+device slots, loading misses) and ``offload`` belong to the engine and are page-granular for
+every algorithm. What an algorithm controls:
 
-* ``index``  — fold pages that just filled into the algorithm's per-page summaries;
-* ``score``  — score a request's candidate pages from those summaries (the algorithm half of
-  ``select``); the shared ``select`` adds the always-kept pages (sink, local window, partial
-  last page) and takes a fixed-size top-k, all on the device with fixed shapes.
+* **Summaries at its own granularity and size.** ``summary_shapes(head_dim)`` declares, per
+  summary name, the shape of one *page's* row: ``(head_dim,)`` for one vector per page (Quest's
+  min/max box, the default built from ``summary_names``), ``(n_sub, head_dim)`` for several
+  partitions per page (sub-page boxes, ShadowKV-style landmarks of 8-token chunks), or any
+  other fixed shape (a cluster id per token: ``(page_size,)``). The engine allocates each as
+  ``[num_pages + 1, numel(shape)]`` in the KV dtype — one flat row per page, so the two-tier
+  cache, the scratch-table indexing under offload and every copy stay row-per-page (the extra
+  row is a scratch page for masked lanes) —; ``LayerSummaries.view(name)`` gives it back as
+  ``[num_pages + 1, *shape]``.
+* **Partitions finer than a page, pages chosen through the shared machinery.** ``score``
+  returns one score per *page* ``[B, Hkv, W]``; an algorithm with sub-page partitions reduces
+  its partition scores to the page that holds them (e.g. the max over the page's sub-blocks,
+  a sound bound on the page's best logit), and the shared ``select`` — kept pages, fixed-size
+  top-k, the last page last — does the rest. Transfers and the device cache only ever see
+  pages, whatever the partition.
+* **An estimate of the unselected mass** (optional): ``estimate`` returns, per query head,
+  the log-sum-exp of the estimated logits of what was *not* selected and the matching
+  (unnormalised-then-normalised) value estimate; the engine merges it with the exact attention
+  over the selected pages through log-sum-exp (``kernels.ref.merge_attention``). ``None`` (the
+  default) means exact attention over the selection only.
 
-``attend`` (paged decode over the selected pages), ``retrieve`` (map selected pages to device
-slots, loading misses) and ``offload`` belong to the engine. Summaries are allocated by the
-engine from ``summary_names``: one ``[num_pages + 1, head_dim]`` tensor each per layer, in the
-KV dtype (the extra row is a scratch page for masked lanes).
+Worked example — Quest with two boxes per page, complete (``sparse/subpage.py`` registers the
+real ones through ``Quest.box_tokens``; their fused kernel is ``kernels.select_pages(...,
+n_sub=)``; ``sparse/keycodes.py`` is a second, token-level example with int32 summaries)::
+
+    from sparseserve.kernels import head_bounds, update_page_summaries
+    from sparseserve.kernels.ref import mass_from_bounds, sub_page_rows
+
+    @register("quest-half")
+    class QuestHalf(SparseAlgorithm):
+        summary_names = ("kmin", "kmax")
+
+        def summary_shapes(self, head_dim):       # each page row: two [D] boxes
+            return {n: (2, head_dim) for n in self.summary_names}
+
+        def index(self, k_cache, page_ids, num_tokens, summaries, queries):
+            P, ps, D = k_cache.shape              # the pages as twice as many half pages
+            ids, ntok = sub_page_rows(page_ids, num_tokens, 2, ps // 2)  # p -> 2p, 2p + 1
+            update_page_summaries(k_cache.reshape(P * 2, ps // 2, D), ids, ntok,
+                                  summaries["kmin"].view(-1, D), summaries["kmax"].view(-1, D))
+
+        def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
+            # per query head, each page's bound = the max of its two boxes' bounds
+            u = head_bounds(q, summaries["kmin"], summaries["kmax"], page_table, num_pages,
+                            n_sub=2)
+            return mass_from_bounds(u, num_pages, self.sink_pages, self.local_pages,
+                                    q.shape[-1] ** -0.5)
+
+(A partial page's empty half keeps stale values here; ``Quest._index_boxes`` copies box 0
+into empty boxes. The engine only indexes full pages.)
+
+``score`` may return anything ordered like "more worth attending" (``-inf`` past
+``num_pages``); kept pages are forced by ``select``. A new algorithm is one file plus its
+``@register`` and an import in ``sparse/__init__.py``; tests/sparse runs every registered
+algorithm against dense at a budget that covers every page.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,12 +91,20 @@ def available_algorithms() -> list[str]:
 
 @dataclass
 class LayerSummaries:
-    """Per-layer summary tensors, by name: each [num_pages + 1, head_dim]."""
+    """Per-layer summary tensors, by name: each [num_pages + 1, numel(row shape)], one flat row
+    per page (``SparseAlgorithm.summary_shapes``); ``view`` restores the row shape."""
 
     tensors: dict[str, torch.Tensor]
+    shapes: dict[str, tuple[int, ...]] | None = None  # name -> one page's row shape
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
+
+    def view(self, name: str) -> torch.Tensor:
+        """[rows, *row shape] view of summary ``name`` (no copy)."""
+        t = self.tensors[name]
+        shape = (self.shapes or {}).get(name, (t.shape[1],))
+        return t.view(t.shape[0], *shape)
 
 
 @dataclass
@@ -63,6 +121,7 @@ class SparseAlgorithm:
     name = "base"
     summary_names: tuple[str, ...] = ()
     uses_queries = False  # index() wants the queries of the tokens that filled each page
+    estimates = False  # estimate() contributes the unselected mass (see the module docstring)
 
     def __init__(self, page_size: int, budget_pages: int, sink_pages: int,
                  local_pages: int) -> None:
@@ -72,6 +131,30 @@ class SparseAlgorithm:
         self.local_pages = local_pages
         # one scratch row per summary name, shared by all layers (e.g. ArkVale's radius)
         self.scratch: dict[str, torch.Tensor] = {}
+
+    # ---- summaries --------------------------------------------------------------------------
+    def summary_shapes(self, head_dim: int) -> dict[str, tuple[int, ...]]:
+        """Per summary name, one page's row shape (default: one [head_dim] vector)."""
+        return {n: (head_dim,) for n in self.summary_names}
+
+    def summary_dtypes(self) -> dict[str, torch.dtype]:
+        """Summaries whose dtype is not the KV dtype (e.g. int32 packed code bits), by name."""
+        return {}
+
+    def make_summaries(self, rows: int, head_dim: int, dtype=torch.float32,
+                       device=None) -> LayerSummaries:
+        """Zeroed summaries of one layer: [rows, numel(shape)] per name (rows = pages + 1),
+        in ``dtype`` (the KV dtype) unless ``summary_dtypes`` says otherwise."""
+        shapes, dts = self.summary_shapes(head_dim), self.summary_dtypes()
+        return LayerSummaries({n: torch.zeros((rows, math.prod(s)), dtype=dts.get(n, dtype),
+                                              device=device)
+                               for n, s in shapes.items()}, shapes)
+
+    def summary_bytes_per_page(self, head_dim: int, element_size: int) -> int:
+        """Summary bytes one page costs (``element_size``: the KV dtype's)."""
+        dts = self.summary_dtypes()
+        return sum(math.prod(s) * (dts[n].itemsize if n in dts else element_size)
+                   for n, s in self.summary_shapes(head_dim).items())
 
     # ---- algorithm operations -------------------------------------------------------------
     def index(self, k_cache: torch.Tensor, page_ids: torch.Tensor, num_tokens: torch.Tensor,
@@ -88,6 +171,15 @@ class SparseAlgorithm:
         """q [B, Hq, D], page_table [B, Hkv, W] physical pages, num_pages [B, Hkv],
         last_page_len [B] -> scores [B, Hkv, W] float32 (-inf past num_pages)."""
         raise NotImplementedError
+
+    def estimate(self, q: torch.Tensor, sel: "Selection", page_table: torch.Tensor,
+                 num_pages: torch.Tensor, summaries: LayerSummaries, scale: float):
+        """Optional estimate of the attention the selection leaves out (``estimates = True``):
+        (o_est [B, Hq, D] float32, lse_est [B, Hq] float32) — the normalised value estimate
+        and the log-sum-exp of the estimated logits (at ``scale``) of the unselected tokens,
+        ``-inf`` where nothing is estimated. Merged with the exact attention over ``sel`` by
+        ``kernels.ref.merge_attention``. Default: nothing (exact attention only)."""
+        return None
 
     # ---- shared select --------------------------------------------------------------------
     def select(self, q: torch.Tensor, page_table: torch.Tensor, num_pages: torch.Tensor,

@@ -16,11 +16,11 @@ class SparseRuntime:
                                               cfg.sink_pages, cfg.local_pages)
         self.dense_layers = cfg.dense_layers
         self.needs_queries = getattr(self.algorithm, "uses_queries", False)
-        # [num_pages + 1, head_dim] per summary and sparse layer; the extra row is scratch
+        # one flat row per page (+ a scratch row) per summary and sparse layer, of the
+        # algorithm's own row shape (SparseAlgorithm.summary_shapes)
         self.summaries: list[LayerSummaries | None] = [
-            None if layer < cfg.dense_layers else LayerSummaries({
-                name: torch.zeros((num_pages + 1, head_dim), dtype=dtype, device=device)
-                for name in cls.summary_names})
+            None if layer < cfg.dense_layers else
+            self.algorithm.make_summaries(num_pages + 1, head_dim, dtype, device)
             for layer in range(num_layers)]
 
     def is_sparse(self, layer: int) -> bool:

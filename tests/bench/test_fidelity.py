@@ -20,12 +20,14 @@ def harness():
     llm = LLM(max_num_seqs=32, max_model_len=1024, kv_cache_memory_bytes=64 << 20)
     h = TailHarness(llm.engine.runner, chunk_rows=32)  # two chunks: the tail crosses them
     text = load_texts(llm.get_tokenizer(), LENGTH, 1)[0]
-    prep = h.prefill(text.token_ids, LENGTH - TAIL)
+    prep = h.prefill(text.token_ids, LENGTH - TAIL,
+                     algorithms=("quest", "arkvale", "infllm", "arkvale-b8", "keycode2"))
     return h, prep
 
 
 @pytest.mark.parametrize("setting", [Setting("dense"), Setting("quest", 128),
-                                     Setting("infllm", 128, 1, 1)], ids=lambda s: s.key)
+                                     Setting("infllm", 128, 1, 1), Setting("keycode2", 128)],
+                         ids=lambda s: s.key)
 def test_batched_tail_equals_sequential_decoding(harness, setting):
     h, prep = harness
     seq = h.run_sequential(prep, setting, steps=12)  # one decode row per step
@@ -46,7 +48,9 @@ def test_tail_does_not_depend_on_earlier_configs(harness):
 @pytest.mark.parametrize("setting", [Setting("dense"), Setting("quest", 128),
                                      Setting("arkvale", 256, 2, 2), Setting("oracle", 128),
                                      Setting("infllm", 128, 1, 2, 2),
-                                     Setting("arkvale-sum", 128, 1, 1)], ids=lambda s: s.key)
+                                     Setting("arkvale-sum", 128, 1, 1),
+                                     Setting("arkvale-b8", 128), Setting("keycode2", 128, 1, 1)],
+                         ids=lambda s: s.key)
 def test_fast_path_equals_engine_kernels(harness, setting):
     h, prep = harness
     fast = h.run_tail(prep, setting, fast=True)
@@ -114,6 +118,9 @@ def test_needle_settings_aliases_and_base_knobs():
     assert Setting("quest", 512, **BASE) in full and Setting("arkvale", 512, 2, 4, 1) in full
     some = needle_settings(default, ["quest"], [512, 2048], only=["dense", "default", "oracle"])
     assert [s.key for s in some] == ["dense", "arkvale/b2048/s2/l4/d1", "oracle/b2048/s2/l4/d1"]
+    # an explicit key at a budget outside the grid
+    extra = needle_settings(default, ["quest"], [512, 2048], only=["keycode2/b1024/s1/l2/d0"])
+    assert [s.key for s in extra] == ["keycode2/b1024/s1/l2/d0"]
 
 
 def test_choose_default_charges_dense_layers():

@@ -10,7 +10,6 @@ import torch
 from sparseserve import LLM, SamplingParams
 from sparseserve.kernels import paged_decode_attention
 from sparseserve.sparse import available_algorithms, get_algorithm_class
-from sparseserve.sparse.base import LayerSummaries
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -114,7 +113,7 @@ def _pool(algo, B, Hq, Hkv, D, ps, W, gen, device="cuda"):
     k = torch.randn(P, ps, D, generator=gen).to(device)
     v = torch.randn(P, ps, D, generator=gen).to(device)
     rows = P + 1  # summaries have a scratch row
-    summ = LayerSummaries({n: torch.zeros(rows, D, device=device) for n in alg.summary_names})
+    summ = alg.make_summaries(rows, D, device=device)
     ids = torch.arange(P, dtype=torch.int32, device=device)
     full = torch.full((P,), ps, dtype=torch.int32, device=device)
     q_fill = torch.randn(P, Hq // Hkv, D, generator=gen).to(device) if alg.uses_queries else None

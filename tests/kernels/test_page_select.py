@@ -30,15 +30,15 @@ def select_pages(*args, **kwargs):
 GARBAGE = (-3, 2**30, 99999)  # page-table entries past num_pages: never read
 
 
-def _case(npages, Hq, Hkv, D, W, gen, kind):
+def _case(npages, Hq, Hkv, D, W, gen, kind, n_sub=1):
     """q [B, Hq, D], kmin/kmax [S, D] (kmin <= kmax), page_table [B, Hkv, W] (distinct random
     rows, garbage past num_pages), num_pages [B, Hkv] (request b has npages[b] on every head
     but the last head of each request gets one page fewer when it can, to vary rows)."""
     B = len(npages)
     S = B * Hkv * W + 1
     q = torch.randn(B, Hq, D, generator=gen) * (60.0 if kind == "peaked" else 1.0)
-    mid = torch.randn(S, D, generator=gen)
-    half = torch.rand(S, D, generator=gen)
+    mid = torch.randn(S, n_sub * D, generator=gen)  # n_sub boxes of D channels per page row
+    half = torch.rand(S, n_sub * D, generator=gen)
     q[1::2] = q[1::2].abs()  # odd requests: one-signed queries (only M or only m is read)
     table = torch.tensor(GARBAGE * (B * Hkv * W))[: B * Hkv * W].view(B, Hkv, W)
     table = table.to(torch.int32).clone()
@@ -54,7 +54,7 @@ def _case(npages, Hq, Hkv, D, W, gen, kind):
     return q, mid - half, mid + half, table, num
 
 
-def _mass64(q, kmin, kmax, table, num, sink, local):
+def _mass64(q, kmin, kmax, table, num, sink, local, n_sub=1):
     """[B, Hkv, W] float64 masses of the scored pages (the literal per-head bound, a softmax
     per head over the full pages — kept ones included, not the last —, summed over the
     group); -inf elsewhere."""
@@ -65,19 +65,23 @@ def _mass64(q, kmin, kmax, table, num, sink, local):
     n = num.long().unsqueeze(-1)
     scored = (blk >= sink) & (blk < n - local) & (blk < n - 1)
     ids = torch.where(blk < n, table.long(), 0)
-    hi, lo = kmax[ids].double(), kmin[ids].double()                    # [B, Hkv, W, D]
-    qg = q.double().view(B, Hkv, G, 1, D)
-    u = torch.maximum(qg * hi.unsqueeze(2), qg * lo.unsqueeze(2)).sum(-1)  # [B, Hkv, G, W]
+    hi = kmax[ids].double().view(B, Hkv, W, n_sub, D)             # [B, Hkv, W, n, D]
+    lo = kmin[ids].double().view(B, Hkv, W, n_sub, D)
+    qg = q.double().view(B, Hkv, G, 1, 1, D)
+    # the page's bound: the max over its boxes
+    u = torch.maximum(qg * hi.unsqueeze(2), qg * lo.unsqueeze(2)).sum(-1).amax(-1)
     x = (u * D ** -0.5).masked_fill(~(blk < n - 1).unsqueeze(2), float("-inf"))
     mass = torch.softmax(x, dim=-1).nan_to_num(0.0).sum(2)
     return mass.masked_fill(~scored, float("-inf"))
 
 
-def _check(got, q, kmin, kmax, table, num, budget, sink, local, rtol, block_order=True):
+def _check(got, q, kmin, kmax, table, num, budget, sink, local, rtol, block_order=True,
+           n_sub=1):
     """``got`` (the kernel's outputs, on DEVICE) against ``ref.select_pages`` run on DEVICE and
     the float64 masses; the per-row set checks read both back to the CPU."""
     assert all(t.device.type == DEVICE.type for t in got)
-    rp, rn, rb = ref.select_pages(*to_dev(q, kmin, kmax, table, num), None, budget, sink, local)
+    rp, rn, rb = ref.select_pages(*to_dev(q, kmin, kmax, table, num), None, budget, sink, local,
+                                  n_sub=n_sub)
     assert all(t.device.type == DEVICE.type for t in (rp, rn, rb))
     pages, nsel, blocks = (t.cpu() for t in got)
     rp, rn, rb = rp.cpu(), rn.cpu(), rb.cpu()
@@ -87,7 +91,7 @@ def _check(got, q, kmin, kmax, table, num, budget, sink, local, rtol, block_orde
     assert torch.equal(nsel, rn)
     B, Hkv, W = table.shape
     K = rp.shape[2]
-    s = _mass64(q, kmin, kmax, table, num, sink, local)
+    s = _mass64(q, kmin, kmax, table, num, sink, local, n_sub)
     atol = 1e-30  # fp32 underflow: masses below it may tie at 0
     for b in range(B):
         for h in range(Hkv):
@@ -162,6 +166,61 @@ def test_select_wide_rows_and_chunked_search(kind, W, npages, max_tile, monkeypa
         _check(got, q, kmin, kmax, table, num, budget, sink, local, 1e-3)
 
 
+@pytest.mark.parametrize("n_sub", [2, 4])
+@pytest.mark.parametrize("kind", ["normal", "peaked"])
+@pytest.mark.parametrize("Hq,Hkv,D", SHAPES)
+def test_select_sub_page_boxes_match_reference(n_sub, kind, Hq, Hkv, D):
+    """n_sub boxes per page row (sub-page partitions): the page's bound per head is the max of
+    its boxes' bounds; kernel == reference == float64 at 1, 2, 3, 17, 54, 97 pages."""
+    gen = torch.Generator().manual_seed(n_sub * 13 + Hq + (kind == "peaked"))
+    q, kmin, kmax, table, num = _case(NPAGES, Hq, Hkv, D, 100, gen, kind, n_sub)
+    for budget, sink, local, splits in ((8, 1, 2, 1), (16, 0, 1, 3)):
+        got = select_pages(q, kmin, kmax, table, num, None, budget, sink, local,
+                           num_splits=splits, n_sub=n_sub)
+        _check(got, q, kmin, kmax, table, num, budget, sink, local, 1e-3, n_sub=n_sub)
+
+
+def test_select_sub_page_boxes_wide_row():
+    """4097 pages of two boxes each, chunked key search."""
+    gen = torch.Generator().manual_seed(11)
+    q, kmin, kmax, table, num = _case([4097, 54], 6, 2, 32, 4097, gen, "normal", 2)
+    got = select_pages(q, kmin, kmax, table, num, None, 64, 1, 2, num_splits=4, n_sub=2)
+    _check(got, q, kmin, kmax, table, num, 64, 1, 2, 1e-3, n_sub=2)
+
+
+def test_sub_page_boxes_find_the_page_a_whole_page_box_misses():
+    """A constructed case. The query is all ones (every head of the group). Page 5 holds the
+    source: 8 keys equal to ``ones`` (logit 16); its other keys are 0. Pages 7..14 are
+    distractors: token t is ``1.5 * e_(t mod 16)`` (true logit 1.5), so every channel of
+    their whole-page box reaches 1.5 and the box bounds their logit by 24 > 16 — the
+    whole-page box ranks them above page 5. An 8-token box of a distractor spans 8 channels
+    (bound 12), page 5's source box is tight (16): 8-token boxes select page 5 (Quest and
+    ArkVale, engine select path: the fused kernel on CUDA, the reference on CPU)."""
+    D, ps, W = 16, 32, 20
+    gen = torch.Generator().manual_seed(0)
+    k = torch.rand(W + 1, ps, D, generator=gen) * 1e-3  # background: ~0 (no exact ties)
+    k[5, 8:16] = 1.0
+    for p in range(7, 15):
+        k[p] = 1.5 * torch.eye(D).repeat(ps // D, 1) + k[p]
+    q = torch.ones(1, 3, D)
+    table = torch.arange(W, dtype=torch.int32).view(1, 1, W)
+    num = torch.tensor([[W]], dtype=torch.int32)
+    last = torch.tensor([ps], dtype=torch.int32)
+    true = torch.einsum("d,wtd->wt", q[0, 0], k[:W]).amax(-1)
+    assert int(true[1:W - 1].argmax()) + 1 == 5  # page 5 holds the best key
+    picked = {}
+    for name in ("quest", "arkvale", "quest-b8", "arkvale-b8"):
+        alg = get_algorithm_class(name)(ps, 3, 1, 1)  # sink + one scored page + the last
+        summ = alg.make_summaries(W + 1, D)
+        alg.index(k, torch.arange(W, dtype=torch.int32), torch.full((W,), ps, dtype=torch.int32),
+                  summ, None)
+        dev = LayerSummaries({n: t.to(DEVICE) for n, t in summ.tensors.items()}, summ.shapes)
+        sel = alg.select(*to_dev(q, table, num, last), dev, None)
+        picked[name] = sorted(sel.blocks[0, 0].tolist())[1]
+    assert picked["quest"] in range(7, 15) and picked["arkvale"] in range(7, 15), picked
+    assert picked["quest-b8"] == 5 and picked["arkvale-b8"] == 5, picked
+
+
 def test_ties_take_lowest_blocks_and_small_budgets():
     """All-equal scores: the lowest non-kept blocks fill the budget; budget 1 and 2 and W
     below the budget give the reference's widths (K = max(1, min(budget - 1, W)) + 1)."""
@@ -197,7 +256,7 @@ def test_out_buffers_and_dispatch():
         assert torch.equal(got[2].sort(-1).values, res[2].sort(-1).values)
 
 
-@pytest.mark.parametrize("algo", ["quest", "arkvale"])
+@pytest.mark.parametrize("algo", ["quest", "arkvale", "quest-b8", "arkvale-b8"])
 def test_algorithm_select_equals_generic_select(algo, monkeypatch):
     """On DEVICE: Quest/ArkVale.select (fused path: the kernel on CUDA, the reference on CPU)
     and the kernel itself pick the same pages as SparseAlgorithm.select; fused_select = False
@@ -207,7 +266,7 @@ def test_algorithm_select_equals_generic_select(algo, monkeypatch):
     alg = get_algorithm_class(algo)(ps, 8, 1, 2)
     P = B * W * hkv + 1
     k_cache = torch.randn(P, ps, D, device=DEVICE)
-    summ = LayerSummaries({nm: torch.zeros(P, D, device=DEVICE) for nm in alg.summary_names})
+    summ = alg.make_summaries(P, D, device=DEVICE)
     table = torch.randperm(P - 1)[:B * hkv * W].view(B, hkv, W).int().to(DEVICE)
     alg.index(k_cache, table.reshape(-1),
               torch.full((B * hkv * W,), ps, dtype=torch.int32, device=DEVICE), summ, None)
@@ -216,7 +275,8 @@ def test_algorithm_select_equals_generic_select(algo, monkeypatch):
     q = torch.randn(B, hkv * G, D).to(DEVICE)
     want = SparseAlgorithm.select(alg, q, table, n, last, summ, k_cache)
     got = alg.select(q, table, n, last, summ, None)
-    p, ns, bl = select_pages(q, summ["kmin"], summ["kmax"], table, n, last, 8, 1, 2)
+    p, ns, bl = select_pages(q, summ["kmin"], summ["kmax"], table, n, last, 8, 1, 2,
+                             n_sub=alg.n_sub)
     assert torch.equal(ns, want.num_pages)
     assert torch.equal(got.num_pages, want.num_pages) and got.last_page_len is not None
     for b in range(B):
@@ -291,3 +351,44 @@ def test_mass_scoring_is_not_drowned_by_flat_heads():
             assert picked[1] in range(7, 15)
         else:
             assert picked == want
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 32), (4, 4, 16)])
+def test_select_with_key_codes_matches_reference(bits, Hq, Hkv, D):
+    """Token key codes through the fused kernel (``codes=``, ``bits=``): the kernel's pages are
+    the reference's (ref.select_pages with codes = mass_from_bounds(code_page_bounds)) at
+    1, 2, 3, 17, 54, 97 pages, fused and split launches; KeyCodes.select == generic select."""
+    gen = torch.Generator().manual_seed(bits * 5 + Hq)
+    ps = 16
+    B, W = len(NPAGES), 100
+    P = B * Hkv * W
+    alg = get_algorithm_class(f"keycode{bits}")(ps, 8, 1, 2)
+    summ = alg.make_summaries(P + 1, D)
+    k = torch.randn(P, ps, D, generator=gen)
+    alg.index(k, torch.arange(P, dtype=torch.int32), torch.full((P,), ps, dtype=torch.int32),
+              summ, None)
+    q, _, _, table, num = _case(NPAGES, Hq, Hkv, D, W, gen, "normal")
+    table = torch.where(table >= P, 0, table)  # garbage ids past num_pages stay in range
+    kmin, kmax, codes = summ["kmin"], summ["kmax"], summ["codes"]
+    for budget, sink, local, splits in ((8, 1, 2, 1), (16, 0, 1, 3)):
+        got = select_pages(q, kmin, kmax, table, num, None, budget, sink, local,
+                           num_splits=splits, codes=codes, bits=bits)
+        rp, rn, rb = ref.select_pages(*to_dev(q, kmin, kmax, table, num), None, budget, sink,
+                                      local, codes=to_dev(codes), bits=bits)
+        assert torch.equal(got[1].cpu(), rn.cpu())
+        for b in range(B):
+            for h in range(Hkv):
+                m = int(rn[b, h])
+                assert set(got[2][b, h, :m].tolist()) == set(rb[b, h, :m].tolist())
+    alg2 = get_algorithm_class(f"keycode{bits}")(ps, 8, 1, 2)
+    last = torch.full((B,), 3, dtype=torch.int32)
+    dev = LayerSummaries({n: t.to(DEVICE) for n, t in summ.tensors.items()}, summ.shapes)
+    fused = alg2.select(*to_dev(q, table, num, last), dev, None)
+    alg2.fused_select = False
+    plain = alg2.select(*to_dev(q, table, num, last), dev, None)
+    assert torch.equal(fused.num_pages, plain.num_pages)
+    for b in range(B):
+        for h in range(Hkv):
+            m = int(plain.num_pages[b, h])
+            assert set(fused.blocks[b, h, :m].tolist()) == set(plain.blocks[b, h, :m].tolist())
