@@ -40,6 +40,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source, tokenizer=args.tokenizer)
         self.executor = make_executor(self.config, self.source)
         self.runner = self.executor.runner  # the in-process ModelRunner; None with TP > 1
+        # request id -> grammar matcher; the in-process sampler masks with the same dict
+        self.grammars: dict = self.runner.grammars if self.runner is not None else {}
         mc = self.config.model
         tp = self.config.parallel.tensor_parallel_size  # page ids: the same on every rank
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache,
@@ -113,7 +115,11 @@ class LLMEngine:
             if params.prompt_logprobs is not None:
                 req.prompt_logprobs = [None] * len(ids)
             children.append(req)
-        self.runner.grammars.update(matchers)  # the sampler masks with them from now on
+        if matchers and self.runner is None:
+            raise ValueError("structured outputs are not supported with tensor_parallel_size "
+                             "> 1 yet; serve with tensor_parallel_size=1 or drop the "
+                             "response format / structured_outputs.")
+        self.grammars.update(matchers)  # the sampler masks with them from now on
         parent = _Parent(request_id, text, list(ids), children)
         for req in children:
             parent.detok[req.request_id] = IncrementalDetokenizer(
@@ -147,7 +153,7 @@ class LLMEngine:
                 continue
             for req in parent.children:
                 self._child_parent.pop(req.request_id, None)
-                self.runner.grammars.pop(req.request_id, None)
+                self.grammars.pop(req.request_id, None)
                 if not req.is_finished:
                     self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         self.executor.release(*self.scheduler.take_freed())
@@ -197,7 +203,7 @@ class LLMEngine:
                 del self._parents[pid]
                 for req in parent.children:
                     self._child_parent.pop(req.request_id, None)
-                    self.runner.grammars.pop(req.request_id, None)
+                    self.grammars.pop(req.request_id, None)
         return outputs
 
     def _append_token(self, req: Request, tok: int, logprobs, now: float) -> None:
@@ -213,7 +219,7 @@ class LLMEngine:
         params = req.sampling_params
         n_out = len(req.output_token_ids)
         status = None
-        grammar = self.runner.grammars.get(req.request_id)
+        grammar = self.grammars.get(req.request_id)
         if grammar is not None:
             grammar.consume_token(tok)  # the mask allowed only tokens it accepts
         if detok.stopped_by is not None:
@@ -227,7 +233,7 @@ class LLMEngine:
         elif n_out >= req.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
-            self.runner.grammars.pop(req.request_id, None)
+            self.grammars.pop(req.request_id, None)
             detok.flush()
             req.finished_time = now
             self.scheduler.finish(req, status)
