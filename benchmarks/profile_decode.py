@@ -1,8 +1,13 @@
-"""Where a decode step's device time goes: torch.profiler over a few pure-decode steps of the
-resident sparse engine and of the two-tier engine (dummy Llama-3-8B weights), top kernels
-by CUDA time, side by side. A diagnostic for docs/results/transfer.md §3.
+"""Where a pure-decode step's device time goes, per preset: wall ms per step (timed, the device
+synchronised per step), then torch.profiler over a few more steps — device ms per step, kernel
+launches per step and the top kernels. Dummy Llama-3-8B weights, a fixed device KV budget
+(as in benchmarks/system.py), `batch` requests decoding at `context` tokens.
 
-    python benchmarks/profile_decode.py --out $OUT/profile --batch 8 --context 8192
+A diagnostic for the end-to-end results (docs/results/system.md): the offloaded sparse step
+against the resident sparse one and dense at the same batch.
+
+    python benchmarks/profile_decode.py --out $OUT/profile_decode.json \
+        --configs dense,sparse,sparseserve --batch 14 --context 10000
 """
 from __future__ import annotations
 
@@ -10,13 +15,18 @@ import argparse
 import json
 import os
 import sys
+import time
 
-sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                os.path.dirname(os.path.abspath(__file__))]
 
 GiB = 1 << 30
+CONFIGS = {"dense": dict(preset="dense"), "sparse": dict(preset="sparse"),
+           "sparse-offload": dict(preset="sparse-offload"),
+           "sparseserve": dict(preset="sparseserve")}
 
 
-def profile(kind: str, a) -> list[dict]:
+def profile(name: str, a) -> dict:
     import numpy as np
     import torch
     from torch.profiler import ProfilerActivity
@@ -24,61 +34,102 @@ def profile(kind: str, a) -> list[dict]:
 
     from sparseserve import LLM, SamplingParams
 
-    hkv, layers, d, ps = 8, 32, 128, 32
-    page_bytes = 2 * layers * ps * d * 2
-    pages = a.batch * hkv * (-(-a.context // ps) // 16 + 1) * 16
-    kw = dict(load_format="dummy", dtype="bfloat16", max_model_len=a.context,
-              max_num_seqs=a.batch, max_num_batched_tokens=8192, sparse_algorithm="arkvale",
-              token_budget=2048, kv_cache_memory_bytes=(pages + 64) * page_bytes)
-    if kind == "offload":
-        kw.update(kv_offload=True, kv_offloading_size=(pages + 1) * page_bytes / GiB)
-    llm = LLM("llama-3-8b", **kw)
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    kw = dict(load_format="dummy", dtype="bfloat16" if cuda else "float32",
+              max_model_len=a.context + 64, max_num_seqs=max(a.batch, 16),
+              max_num_batched_tokens=a.chunk, kv_cache_memory_bytes=int(a.kv_gib * GiB),
+              **CONFIGS[name])
+    if name != "dense":
+        kw["token_budget"] = a.token_budget
+    if "offload" in name or name == "sparseserve":
+        kw["kv_offloading_size"] = a.host_gib
+    llm = LLM(a.model, **kw)
     eng = llm.engine
     rng = np.random.default_rng(0)
-    prompt = a.context - a.warmup - a.steps - 64
+    prompt = a.context - a.warmup - a.timed - a.steps - 16
+    vocab = eng.config.model.vocab_size
     for i in range(a.batch):
-        eng.add_request(str(i), {"prompt_token_ids": rng.integers(10, 30000, prompt).tolist()},
-                        SamplingParams(max_tokens=a.warmup + a.steps + 8, ignore_eos=True))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+        eng.add_request(str(i), {"prompt_token_ids": rng.integers(10, vocab, prompt).tolist()},
+                        SamplingParams(max_tokens=a.context, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens
+              for r in eng.scheduler.requests.values()):
         eng.step()
     for _ in range(a.warmup):
         eng.step()
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    walls = []
+    for _ in range(a.timed):
+        sync()
+        t = time.perf_counter()
+        eng.step()
+        sync()
+        walls.append(time.perf_counter() - t)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=acts) as prof:
         for _ in range(a.steps):
             eng.step()
-        torch.cuda.synchronize()
-    rows = []
+        sync()
+    kernels = []
     for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if t:
-            rows.append({"name": e.key[:90], "calls": e.count, "us_per_step": t / a.steps})
-    rows.sort(key=lambda r: -r["us_per_step"])
-    if kind == "offload":
+        dev_t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        # kernels only: the aten:: rows would count the same device time twice
+        if dev_t and not e.key.startswith(("aten::", "cuda", "Memcpy", "Memset")):
+            kernels.append({"name": e.key[:90], "calls_per_step": e.count / a.steps,
+                            "us_per_step": dev_t / a.steps})
+    kernels.sort(key=lambda r: -r["us_per_step"])
+    stats = eng.get_stats()
+    running = stats["num_running"]
+    if eng.runner.offload is not None:
         eng.runner.offload.close()
     del llm, eng
-    torch.cuda.empty_cache()
-    return rows
+    if cuda:
+        torch.cuda.empty_cache()
+    walls.sort()
+    return {"batch": running, "context": a.context,
+            "wall_ms_median": 1e3 * walls[len(walls) // 2],
+            "wall_ms_mean": 1e3 * sum(walls) / len(walls),
+            "device_ms_per_step": sum(k["us_per_step"] for k in kernels) / 1e3,
+            "kernels_per_step": sum(k["calls_per_step"] for k in kernels),
+            "top_kernels": kernels[:a.top]}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--context", type=int, default=8192)
-    p.add_argument("--warmup", type=int, default=24)
+    p.add_argument("--out", required=True, help="JSON result path")
+    p.add_argument("--configs", default="dense,sparse,sparseserve")
+    p.add_argument("--batch", type=int, default=14)
+    p.add_argument("--context", type=int, default=10000)
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--token-budget", type=int, default=2048)
+    p.add_argument("--kv-gib", type=float, default=20)
+    p.add_argument("--host-gib", type=float, default=24)
+    p.add_argument("--warmup", type=int, default=16)
+    p.add_argument("--timed", type=int, default=20)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--top", type=int, default=18)
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     a = p.parse_args(argv)
-    res = {k: profile(k, a) for k in ("resident", "offload")}
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "profile_decode.json"), "w") as f:
-        json.dump({"command": "python " + " ".join(sys.argv), **vars(a), **res}, f, indent=1)
-    for k, rows in res.items():
-        total = sum(r["us_per_step"] for r in rows)
-        print(f"\n{k}: {total / 1e3:.2f} ms device time per step (kernels summed)")
-        for r in rows[:a.top]:
-            print(f"{r['us_per_step']:9.1f} us {r['calls'] // a.steps:5d}/step  {r['name']}")
+    a.model = "llama-3-8b"
+    if a.smoke:
+        import tempfile
+
+        import common as C
+        a.model, _, _ = C.resolve_model(argparse.Namespace(model=None, smoke=True),
+                                        tempfile.mkdtemp(), 8192)
+        a.batch, a.context, a.chunk, a.token_budget = 3, 300, 128, 128
+        a.kv_gib, a.host_gib, a.warmup, a.timed, a.steps = 0.01, 0.02, 2, 3, 2
+    res = {"command": "python " + " ".join(sys.argv), "args": vars(a)}
+    for name in a.configs.split(","):
+        res[name] = profile(name, a)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    for name in a.configs.split(","):
+        r = res[name]
+        print(f"\n== {name}: batch {r['batch']} @ {r['context']}: wall {r['wall_ms_median']:.2f} ms"
+              f" (median), device {r['device_ms_per_step']:.2f} ms, "
+              f"{r['kernels_per_step']:.0f} kernels/step")
+        for k in r["top_kernels"][:14]:
+            print(f"  {k['us_per_step']:8.1f} us x{k['calls_per_step']:<6.0f} {k['name']}")
     return 0
 
 

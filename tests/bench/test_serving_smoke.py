@@ -1,29 +1,130 @@
-"""benchmarks/serving.py --smoke: each preset's engine through the benchmark loop at each rate;
-every request completes, ratios are to dense at the same rate, goodput is one of the rates."""
+"""benchmarks/serving.py: the --smoke sweep end to end (each preset's engine through the
+benchmark loop at each rate; ratios to dense at the same rate), a point cut at its time cap,
+the report's ratio rules, and the documented GPU command (LWM-7B shape, 20 GiB device KV)."""
 import json
+import math
 import os
+import shlex
 import subprocess
 import sys
+import tempfile
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+pytest.importorskip("prometheus_client")
+
+import serving as S  # noqa: E402
+import serving_report as R  # noqa: E402
 
 
 def test_serving_smoke(tmp_path):
     out = tmp_path / "serving.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "serving.py"),
-                           "--smoke", "--out", str(out), "--presets", "dense,sparseserve"],
+                           "--smoke", "--out", str(out), "--presets", "sparseserve,dense"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert r["errors"] == []
+    assert r["errors"] == [] and r["complete"]
     rates = r["settings"]["rates"]
+    assert rates == [2.0, "inf"]
     for name in ("dense", "sparseserve"):
         pts = r["presets"][name]["points"]
         assert [p["rate"] for p in pts] == rates
         for p in pts:
             assert p["completed"] == r["settings"]["num_prompts"] and p["failed"] == 0
-            assert p["mean_ttft_ms"] <= p["mean_e2el_ms"]
+            assert not p["truncated"] and p["mean_ttft_ms"] <= p["mean_e2el_ms"]
+            # every request completed: the engine's token count is vLLM's output throughput
+            assert p["out_tok_s"] == pytest.approx(p["output_throughput"])
         assert r["presets"][name]["goodput_rate"] in rates + [None]
+    c = r["comparison"]["sparseserve"]
+    assert [x["rate"] for x in c["per_rate"]] == rates
+    assert all(x["ttft_ratio_quality"] == "exact" for x in c["per_rate"])
+    assert c["saturation_throughput_x"] > 0 and c["throughput_target_met"] in (True, False)
     assert os.path.exists(r["figure"])
     tail = proc.stdout[proc.stdout.rindex("wrote "):]
-    assert "x dense" in tail and "goodput" in tail
+    assert "x dense" in tail and "goodput" in tail and "sparseserve vs dense" in tail
+    assert tail.index("\ndense ") < tail.index("\nsparseserve ")  # dense first in the table
+
+
+def test_point_cut_at_cap_leaves_engine_clean():
+    from sparseserve.bench.serve_datasets import build_requests
+    from sparseserve.engine.args import EngineArgs
+    from sparseserve.engine.llm_engine import LLMEngine
+
+    import common as C
+
+    a = S.parse_args(["--smoke", "--out", "unused.json"])
+    with tempfile.TemporaryDirectory() as tmp:
+        model, cfg, _ = C.resolve_model(a, tmp, a.max_model_len)
+        engine = LLMEngine(EngineArgs(model=model, **S.engine_args(a, "dense", "cpu", "float32")))
+        vocab = cfg["vocab_size"]
+        long = build_requests("random", 4, 0, vocab_size=vocab, random_input_len=64,
+                              random_output_len=900, max_model_len=a.max_model_len)
+        p = S.run_point(engine, long, math.inf, 0.5, 0)
+        assert p["truncated"] and p["completed"] < 4 and p["failed"] == 4 - p["completed"]
+        assert p["duration"] < 5 and not engine.has_unfinished_requests()
+        assert p["out_tok_s"] > 0 and p["mean_ttft_lb_ms"] is not None
+        # the engine serves the next point normally
+        short = build_requests("random", 3, 1, vocab_size=vocab, random_input_len=32,
+                               random_output_len=4, max_model_len=a.max_model_len)
+        q = S.run_point(engine, short, 50.0, 60, 0)
+        assert q["completed"] == 3 and not q["truncated"] and q["not_sent_after_cap"] == 0
+        # requests that would arrive after the cap are not sent, and the point is marked
+        many = build_requests("random", 10, 2, vocab_size=vocab, random_input_len=16,
+                              random_output_len=2, max_model_len=a.max_model_len)
+        q = S.run_point(engine, many, 4.0, 1.0, 0)
+        assert q["not_sent_after_cap"] > 0 and q["num_prompts"] == 10 - q["not_sent_after_cap"]
+        assert q["truncated"]
+
+
+def test_ratio_rules():
+    def pt(rate, tok, ttft, truncated=False):
+        return {"rate": rate, "completed": 5, "num_prompts": 5, "out_tok_s": tok,
+                "mean_ttft_ms": ttft, "mean_ttft_lb_ms": ttft, "truncated": truncated,
+                "p99_itl_ms": 10.0, "mean_queue_s": 0.1}
+    result = {"presets": {
+        "dense": {"points": [pt(1.0, 100, 1000), pt("inf", 120, 9000, truncated=True)]},
+        "sparseserve": {"points": [pt(1.0, 200, 100), pt("inf", 400, 1000)]}}, "errors": []}
+    c = R.compare(result)["sparseserve"]
+    assert c["saturation_throughput_x"] == pytest.approx(400 / 120)
+    assert c["throughput_target_met"] is True
+    assert c["ttft_x_lower_best"] == pytest.approx(10.0) and c["ttft_x_lower_best_rate"] == 1.0
+    assert c["ttft_x_lower_best_quality"] == "exact" and c["ttft_target_met"] is True
+    assert c["per_rate"][1]["ttft_ratio_quality"] == "lower bound"
+    assert R.goodput(result["presets"]["dense"]["points"], 20.0, 2.0) == 1.0  # cut point: no
+    assert R.goodput(result["presets"]["sparseserve"]["points"], 20.0, 2.0) == "inf"
+    assert R.goodput(result["presets"]["sparseserve"]["points"], 5.0, 2.0) is None
+    result["comparison"] = R.compare(result)
+    assert "sparseserve vs dense" in R.table(result)
+
+
+def _documented_gpu_command() -> list[str]:
+    with open(os.path.join(ROOT, "docs", "results", "serving.md")) as f:
+        line = next(ln for ln in f if ln.startswith("source benchmarks/gpu_setup.sh;"))
+    assert len(line) < 2000
+    cmd = line.split("python3 benchmarks/serving.py", 1)[1].split("2>&1")[0]
+    return shlex.split(cmd.replace("$OUT", "/tmp/out"))
+
+
+def test_documented_gpu_command_is_the_lwm7b_setup():
+    """The command of docs/results/serving.md parses and resolves (on the CPU, no weights)
+    to the issue's setup: LWM-7B shape, 20 GiB device KV, both presets, LongBench lengths."""
+    from sparseserve.engine.args import EngineArgs
+
+    a = S.parse_args(_documented_gpu_command())
+    assert a.names == ["sparseserve", "dense"] and a.dataset_name == "longbench"
+    assert a.rates[-1] == math.inf and a.time_budget_s <= 500
+    for preset in a.names:
+        kw = S.engine_args(a, preset, "cpu", "bfloat16")  # device only decides the checks
+        assert kw["kv_cache_memory_bytes"] == 21474836480 and kw["load_format"] == "dummy"
+        cfg, _ = EngineArgs(model=a.model, **kw).create_engine_config()
+        m = cfg.model
+        assert (m.name, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads,
+                m.head_dim, m.hidden_size) == ("lwm-7b", 32, 32, 32, 128, 4096)
+        assert cfg.cache.num_pages == 40960  # slots per layer: 40,960 tokens of dense KV
+        assert cfg.cache.kv_offload == (preset == "sparseserve")
+        if preset == "sparseserve":
+            assert cfg.scheduler.working_set_control and cfg.scheduler.max_inject_tokens
+            assert cfg.cache.num_host_pages * cfg.cache.page_size >= 128 * 1024  # tokens
