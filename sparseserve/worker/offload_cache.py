@@ -164,11 +164,15 @@ class TwoTierCache:
         """Start counting each row's working set: slots it owns that were used in the last
         `window` steps, per layer, max over layers -> a pinned host buffer, copied without a
         sync (valid once the step's token copy has synchronised; see `working_sets`)."""
-        last = self.last_access[:, :-1]
-        recent = (last > self.step - self.window) & (last >= 0) & (last <= self.step)
-        counts = torch.zeros((self.num_layers, self.num_rows + 1), dtype=torch.long,
-                             device=self.last_access.device)
-        counts.scatter_add_(1, self.owner[:, :-1], recent.long())
+        last, own = self.last_access[:, :-1], self.owner[:, :-1]
+        if last.is_cuda:  # one pass over every layer's slots
+            from sparseserve.kernels.retrieve import recent_slots_by_row
+            counts = recent_slots_by_row(last, own, self.step, self.window, self.num_rows + 1)
+        else:
+            recent = (last > self.step - self.window) & (last >= 0) & (last <= self.step)
+            counts = torch.zeros((self.num_layers, self.num_rows + 1), dtype=torch.long,
+                                 device=last.device)
+            counts.scatter_add_(1, own, recent.long())
         self._ws_host.copy_(counts.amax(0), non_blocking=True)
 
     def working_sets(self) -> np.ndarray:
