@@ -1,19 +1,30 @@
 """SparseServe's serving evaluation (Figures 10–12): for each preset, one engine, then a sweep
 of request rates through `sparseserve bench serve`'s benchmark loop (in-process backend:
 AsyncLLMEngine without HTTP, the same metric code as the HTTP path); mean TTFT, output
-throughput and mean TBT (ITL) against the rate, and goodput (the highest rate whose P99 TBT
-and mean queueing delay meet the SLOs). Ratios are to `dense` at the same rate, same run.
+throughput and mean TBT (ITL) against the rate, goodput (the highest rate whose P99 TBT and
+mean queueing delay meet the SLOs), and the saturation targets as ratios to `dense` measured
+in the same run (definitions: serving_report.py).
 
-  python benchmarks/serving.py --out $OUT/serving.json --model lwm-7b --presets dense,sparseserve \
-      --rates 0.5,1,2,4 --num-prompts 64 --max-input-len 32768
+  # one H200, LWM-7B shape, dummy bf16 weights, 20 GiB device KV (the command of
+  # docs/results/serving.md); presets run in the order given, the table lists dense first
+  python benchmarks/serving.py --out $OUT/serving_lwm7b.json --model lwm-7b \
+      --presets sparseserve,dense --rates 0.5,1,2,inf --num-prompts 24 --time-budget-s 480
   python benchmarks/serving.py --out /tmp/serving.json --smoke        # tiny model on the CPU
 
-On the GPU machine prometheus-client must travel as a wheel (the in-process backend feeds the
-server's metrics object).
+Time: the run ends within --time-budget-s. Each preset gets an equal share of what is left
+(so time a fast preset leaves over goes to the next), its engine build and warm-up included;
+each rate point gets its arrival span (the last request's send time) plus an equal share of the rest of
+its preset's time, at most --point-budget-s. At the cap the point's unfinished requests are
+cut (aborted, as a server's forced shutdown does) and the point is marked `truncated`.
+
+Needs prometheus-client (the in-process backend feeds the server's metrics object and reads
+its counters: preemptions, pages loaded, queue time); nothing of the HTTP stack.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import math
 import os
 import sys
 import tempfile
@@ -23,9 +34,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common as C  # noqa: E402
 import engine_bench as E  # noqa: E402
+import serving_report as R  # noqa: E402
 
 GiB = 1 << 30
 PRESETS = ("dense", "sparse", "sparse-offload", "sparseserve")
+POINT_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput",
+              "total_output_tokens", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+              "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_tpot_ms", "mean_e2el_ms",
+              "p99_e2el_ms")
 
 
 def engine_args(a, preset: str, device: str, dtype: str) -> dict:
@@ -40,136 +56,213 @@ def engine_args(a, preset: str, device: str, dtype: str) -> dict:
     return kw
 
 
-def goodput(points: list[dict], tbt_slo_ms: float, queue_slo_s: float) -> float | None:
-    """The highest rate whose P99 ITL and mean queueing delay (TTFT minus prefill is not
-    separable from outside; the server's queue-time histogram is) meet the SLOs."""
-    ok = [p["rate"] for p in points
-          if (p.get("p99_itl_ms") or 0) <= tbt_slo_ms
-          and (p.get("mean_queue_s") if p.get("mean_queue_s") is not None else 0) <= queue_slo_s]
-    return max(ok) if ok else None
+def warmup(engine, vocab: int, lengths: list[int], max_tokens: int) -> None:
+    """A few concurrent requests through add_request/step: Triton compilation, SDPA / cuBLAS
+    heuristics, the allocator and the host tier settle before the first timed point."""
+    import numpy as np
+
+    from sparseserve.request import SamplingParams
+
+    rng = np.random.default_rng(1)
+    for i, n in enumerate(lengths):
+        engine.add_request(f"warmup-{i}", {"prompt_token_ids": rng.integers(0, vocab, n).tolist()},
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+class RecordingBackend:
+    """The in-process backend, keeping every raw RequestResult (for the cut points' TTFT)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.results: list = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def read_metrics(self):
+        return await self.inner.read_metrics()
+
+    async def send(self, req):
+        res = await self.inner.send(req)
+        self.results.append(res)
+        return res
+
+
+def run_point(engine, requests: list, rate: float, cap_s: float, seed: int) -> dict:
+    """One benchmark run at `rate`, cut at `cap_s` seconds: a point record (serving_report)."""
+    from sparseserve.bench.serve_inprocess import InProcessBackend
+    from sparseserve.bench.serve_runner import arrival_offsets, arun_benchmark
+
+    offsets = arrival_offsets(len(requests), rate, 1.0, seed)
+    late = int((offsets >= cap_s).sum())  # would arrive after the cap: not sent at all
+    requests = requests[:max(1, len(requests) - late)]  # offsets are prefix-consistent
+    backend = RecordingBackend(InProcessBackend(engine, {"ignore_eos": True}))
+    cut_at: list[float] = []
+
+    async def go() -> dict:
+        async def watchdog() -> None:
+            await asyncio.sleep(cap_s)
+            if backend.inner.async_engine is not None:
+                cut_at.append(time.perf_counter())
+                backend.inner.async_engine.cut_all()  # every stream ends with an error
+
+        task = asyncio.create_task(watchdog())
+        try:
+            return await arun_benchmark(requests, backend, request_rate=rate, seed=seed,
+                                        disable_tqdm=True,
+                                        percentile_metrics=["ttft", "tpot", "itl", "e2el"],
+                                        percentiles=[50, 90, 99])
+        finally:
+            task.cancel()
+
+    t = time.perf_counter()
+    r = asyncio.run(go())
+    if engine.has_unfinished_requests():  # the shutdown aborts; make sure nothing is left
+        engine.abort_request(list(engine._parents))
+        while engine.has_unfinished_requests():
+            engine.step()
+    sm = r.get("server_metrics") or {}
+    # cut: requests unfinished at the cap, or some never sent (the point ran fewer requests)
+    truncated = (bool(cut_at) and r["completed"] < len(requests)) or late > 0
+    gen = sm.get("generation_tokens")
+    point = {"rate": "inf" if math.isinf(rate) else rate, "num_prompts": len(requests),
+             "not_sent_after_cap": late, "cap_s": cap_s, "truncated": truncated,
+             "wall_s": time.perf_counter() - t, **{k: r.get(k) for k in POINT_KEYS},
+             "out_tok_s": gen / r["duration"] if gen is not None else r["output_throughput"],
+             "mean_queue_s": sm.get("mean_queue_time_s"),
+             "preemptions": sm.get("preemptions"), "pages_loaded": sm.get("pages_loaded"),
+             "kv_cache_hit_rate": sm.get("kv_cache_hit_rate"), "server_metrics": sm,
+             "first_error": next((e for e in r.get("errors", []) if e), None)}
+    # mean TTFT over every sent request, the time until the cut standing in for a missing one
+    ttfts = [(x.ttft if x.ttft is not None else x.latency) for x in backend.results]
+    point["mean_ttft_lb_ms"] = 1000 * sum(ttfts) / len(ttfts) if ttfts else None
+    return point
+
+
+def _log_point(deadline, preset: str, p: dict) -> None:
+    E.log(deadline, f"  {preset} rate {p['rate']}: {p['completed']}/{p['num_prompts']} done"
+                    f"{' (cut at %.0f s)' % p['cap_s'] if p['truncated'] else ''}, "
+                    f"{C.fmt(R.out_tok_s(p), 0)} out tok/s, TTFT {C.fmt(R.ttft_ms(p), 0)} ms, "
+                    f"ITL p99 {C.fmt(p['p99_itl_ms'], 0)} ms, {C.fmt(p['preemptions'], 0)} "
+                    f"preemptions, {p['wall_s']:.1f} s")
 
 
 def run_preset(a, preset: str, model: str, vocab: int, device: str, dtype: str, deadline,
-               result: dict, save) -> None:
+               stop_at: float, result: dict, save) -> None:
+    """Build the preset's engine, warm it up, sweep the rates until `stop_at` (perf_counter)."""
     from sparseserve.bench.serve_datasets import build_requests
-    from sparseserve.bench.serve_inprocess import InProcessBackend
-    from sparseserve.bench.serve_runner import run_benchmark
+    from sparseserve.bench.serve_runner import arrival_offsets
     from sparseserve.engine.args import EngineArgs
     from sparseserve.engine.llm_engine import LLMEngine
 
     kw = engine_args(a, preset, device, dtype)
     rec = result["presets"][preset] = {"engine_args": kw, "points": []}
-    E.log(deadline, f"{preset}: loading")
+    E.log(deadline, f"{preset}: loading ({stop_at - time.perf_counter():.0f} s for this preset)")
     engine = None
     try:
+        t = time.perf_counter()
         engine = LLMEngine(EngineArgs(model=model, **kw))
-        for rate in a.rates:
-            if deadline.expired(60):
+        rec["load_s"] = time.perf_counter() - t
+        rec["num_slots_or_pages_per_layer"] = engine.config.cache.num_pages
+        t = time.perf_counter()
+        warmup(engine, vocab, a.warmup_lens, a.warmup_max_tokens)
+        rec["warmup_s"] = time.perf_counter() - t
+        E.log(deadline, f"  {preset}: built in {rec['load_s']:.1f} s, warm-up {rec['warmup_s']:.1f} s")
+        reqs = build_requests(a.dataset_name, a.num_prompts, a.seed, tokenizer=None,
+                              vocab_size=vocab, max_input_len=a.max_input_len,
+                              max_model_len=a.max_model_len, random_input_len=a.random_input_len,
+                              random_output_len=a.random_output_len)
+        rec["prompt_tokens"] = sum(r.prompt_len for r in reqs)
+        rec["max_tokens"] = sum(r.output_len for r in reqs)
+        for j, rate in enumerate(a.rates):
+            spans = [float(arrival_offsets(a.num_prompts, r, 1.0, a.seed)[-1]) for r in a.rates[j:]]
+            left = stop_at - time.perf_counter()
+            cap = spans[0] + max(0.0, left - sum(spans)) / len(spans)
+            cap = min(cap, left, a.point_budget_s or math.inf)
+            if cap < a.min_point_s:
+                rec["points"].append({"rate": "inf" if math.isinf(rate) else rate,
+                                      "skipped": f"time budget ({cap:.0f} s left)"})
                 E.log(deadline, f"  {preset} rate {rate}: skipped (time budget)")
-                break
-            reqs = build_requests(a.dataset_name, a.num_prompts, a.seed, tokenizer=None,
-                                  vocab_size=vocab, max_input_len=a.max_input_len,
-                                  max_model_len=a.max_model_len,
-                                  random_input_len=a.random_input_len,
-                                  random_output_len=a.random_output_len)
-            t = time.perf_counter()
-            r = run_benchmark(reqs, InProcessBackend(engine, {"ignore_eos": True}),
-                              request_rate=rate, seed=a.seed, disable_tqdm=True,
-                              percentile_metrics=["ttft", "tpot", "itl", "e2el"],
-                              percentiles=[50, 90, 99])
-            sm = r.get("server_metrics") or {}
-            point = {"rate": rate, "wall_s": time.perf_counter() - t,
-                     **{k: r.get(k) for k in (
-                         "completed", "failed", "duration", "request_throughput",
-                         "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms",
-                         "p99_itl_ms", "mean_tpot_ms", "mean_e2el_ms")},
-                     "mean_queue_s": sm.get("mean_queue_time_s"),
-                     "server_metrics": sm}
+                continue
+            point = run_point(engine, reqs, rate, cap, a.seed)
             rec["points"].append(point)
-            E.log(deadline, f"  {preset} rate {rate}: {point['output_throughput']:.0f} out tok/s, "
-                            f"TTFT {point['mean_ttft_ms']:.0f} ms, ITL p99 "
-                            f"{point['p99_itl_ms']:.0f} ms")
+            _log_point(deadline, preset, point)
             save()
     except Exception as exc:  # noqa: BLE001 - record and go on with the next preset
         E.fail(deadline, result, preset, exc)
         rec.update(C.error_record(exc))
     finally:
-        if engine is not None and engine.runner.offload is not None:
-            engine.runner.offload.close()
-        engine = None
+        offload = getattr(getattr(engine, "runner", None), "offload", None)
+        if offload is not None:
+            offload.close()
+        engine = offload = None  # every reference, so the next preset starts from an empty GPU
         C.free_device_memory()
+        C.empty_host_cache()
         save()
 
 
-def plots(result: dict, path: str) -> None:
-    plt = C.pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for name, rec in result["presets"].items():
-        pts = rec.get("points") or []
-        if not pts:
-            continue
-        rates = [p["rate"] for p in pts]
-        axes[0].plot(rates, [p["mean_ttft_ms"] / 1e3 for p in pts], "o-", label=name)
-        axes[1].plot(rates, [p["output_throughput"] for p in pts], "o-", label=name)
-        axes[2].plot(rates, [p["mean_itl_ms"] for p in pts], "o-", label=name)
-    for ax, t in zip(axes, ("mean TTFT (s)", "output tokens/s", "mean TBT (ms)")):
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel(t)
-        ax.legend(fontsize=8)
-    C.save_figure(fig, path)
-
-
-def table(result: dict) -> str:
-    rows = []
-    base = {p["rate"]: p for p in result["presets"].get("dense", {}).get("points", [])}
-    for name, rec in result["presets"].items():
-        for p in rec.get("points", []):
-            b = base.get(p["rate"])
-            rows.append([name, p["rate"], p["completed"], C.fmt(p["output_throughput"], 0),
-                         C.fmt(p["output_throughput"] / b["output_throughput"], 2) if b else "",
-                         C.fmt(p["mean_ttft_ms"] / 1e3, 2),
-                         C.fmt(b["mean_ttft_ms"] / p["mean_ttft_ms"], 2) if b else "",
-                         C.fmt(p["mean_itl_ms"], 1), C.fmt(p["p99_itl_ms"], 0)])
-        rows.append([name, "goodput", C.fmt(rec.get("goodput_rate"), 2), "", "", "", "", "", ""])
-    out = C.table(["preset", "rate", "done", "out tok/s", "x dense", "TTFT s", "TTFT x lower",
-                   "TBT ms", "p99 TBT ms"], rows)
-    if result["errors"]:
-        out += "\n" + E.errors_line(result["errors"])
-    return out
-
-
-def main(argv=None) -> int:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    E.add_run_args(p, "JSON result path", list(PRESETS))
-    p.add_argument("--presets", default=None, help="alias of --only")
-    p.add_argument("--rates", default="0.5,1,2,4", help="comma list of request rates (req/s)")
+    E.add_run_args(p, "JSON result path (the figure goes next to it, .png)", list(PRESETS))
+    p.add_argument("--presets", default=None, help="alias of --only (run in this order)")
+    p.add_argument("--rates", default="0.5,1,2,inf", help="comma list of request rates (req/s; inf)")
     p.add_argument("--dataset-name", default="longbench", choices=["longbench", "random"])
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--max-input-len", type=int, default=32768)
+    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--max-input-len", type=int, default=32768, help="the paper's cap for LWM-7B")
     p.add_argument("--max-model-len", type=int, default=33792)
     p.add_argument("--random-input-len", type=int, default=8192)
     p.add_argument("--random-output-len", type=int, default=256)
-    p.add_argument("--kv-cache-gib", type=float, default=20)
-    p.add_argument("--host-gib", type=float, default=64)
+    p.add_argument("--kv-cache-gib", type=float, default=20, help="device KV budget (GiB)")
+    p.add_argument("--host-gib", type=float, default=72, help="host tier (GiB of pinned DRAM)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--token-budget", type=int, default=2048)
     p.add_argument("--tbt-slo-ms", type=float, default=None,
-                   help="P99 TBT SLO (default 25x the dense preset's median TBT at the lowest rate)")
+                   help="P99 TBT SLO (default 25x the dense preset's mean TBT at its lowest rate)")
     p.add_argument("--queue-slo-s", type=float, default=2.0)
-    p.add_argument("--time-budget-s", type=float, default=560)
+    p.add_argument("--time-budget-s", type=float, default=480, help="the whole run")
+    p.add_argument("--point-budget-s", type=float, default=None, help="cap of one rate point")
+    p.add_argument("--min-point-s", type=float, default=10.0,
+                   help="skip a point whose cap would be shorter")
+    p.add_argument("--reserve-s", type=float, default=10.0,
+                   help="kept at the end for the report")
+    p.add_argument("--warmup-lens", default="3000,5000,700,1500",
+                   help="prompt lengths of the warm-up requests")
+    p.add_argument("--warmup-max-tokens", type=int, default=40)
     a = p.parse_args(argv)
-    names = E.parse_parts(a.presets or a.only, list(PRESETS))
+    a.names = E.parse_parts(a.presets or a.only, list(PRESETS))
     a.rates = [float(x) for x in E.split_list(a.rates)]
-    device, dtype = E.device_and_dtype(a)
     if a.smoke:
-        a.dataset_name, a.num_prompts, a.rates = "random", 6, [2.0, float("inf")]
+        a.dataset_name, a.num_prompts = "random", 6
+        if a.rates == [0.5, 1.0, 2.0, math.inf]:
+            a.rates = [2.0, math.inf]
         a.random_input_len, a.random_output_len = 200, 8
         a.max_input_len, a.max_model_len, a.max_num_batched_tokens = 512, 1024, 128
         a.kv_cache_gib, a.host_gib, a.token_budget = 0.004, 0.05, 128
+        a.warmup_lens, a.warmup_max_tokens, a.min_point_s = "100,300", 4, 0.0
+    a.warmup_lens = [int(x) for x in E.split_list(a.warmup_lens)]
+    if any(not r > 0 for r in a.rates):
+        raise SystemExit("--rates: every rate must be > 0 (or inf)")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    device, dtype = E.device_and_dtype(a)
     deadline = C.Deadline(a.time_budget_s)
-    result = {"meta": C.meta(argv), "settings": {**vars(a), "device": device}, "presets": {},
-              "errors": []}
+    settings = {k: v for k, v in vars(a).items() if k != "names"}
+    settings["rates"] = ["inf" if math.isinf(r) else r for r in a.rates]
+    result = {"meta": C.meta(argv), "settings": {**settings, "presets": a.names, "device": device,
+                                                 "dtype": dtype},
+              "presets": {}, "errors": []}
 
     def save():
         C.write_json(a.out, result)
@@ -177,19 +270,27 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model, cfg, label = C.resolve_model(a, tmp, a.max_model_len)
         result["settings"]["model_label"] = label
-        for name in names:
-            if deadline.expired(60):
-                break
-            run_preset(a, name, model, cfg["vocab_size"], device, dtype, deadline, result, save)
-    dense = result["presets"].get("dense", {}).get("points") or []
-    slo = a.tbt_slo_ms or (25 * dense[0]["mean_itl_ms"] if dense else float("inf"))
+        result["settings"]["model_config"] = cfg
+        for i, name in enumerate(a.names):
+            share = (deadline.remaining() - a.reserve_s) / (len(a.names) - i)
+            if share < a.min_point_s + 5:
+                result["presets"][name] = {"skipped": "time budget", "points": []}
+                E.log(deadline, f"{name}: skipped (time budget)")
+                continue
+            run_preset(a, name, model, cfg["vocab_size"], device, dtype, deadline,
+                       time.perf_counter() + share, result, save)
+    dense = [p for p in result["presets"].get("dense", {}).get("points") or []
+             if p.get("mean_itl_ms") is not None]
+    slo = a.tbt_slo_ms or (25 * dense[0]["mean_itl_ms"] if dense else math.inf)
     result["settings"]["tbt_slo_ms_used"] = slo
     for rec in result["presets"].values():
-        rec["goodput_rate"] = goodput(rec.get("points") or [], slo, a.queue_slo_s)
-    fig = os.path.splitext(a.out)[0] + ".png"
-    plots(result, fig)
-    result["figure"] = fig
-    E.finish(deadline, result, save, a.out, table)
+        rec["goodput_rate"] = R.goodput(rec.get("points") or [], slo, a.queue_slo_s)
+    result["comparison"] = R.compare(result)
+    try:
+        result["figure"] = R.plots(result, os.path.splitext(a.out)[0] + ".png")
+    except Exception as exc:  # noqa: BLE001 - a missing plot must not lose the numbers
+        E.fail(deadline, result, "plots", exc)
+    E.finish(deadline, result, save, a.out, R.table)
     return 0
 
 

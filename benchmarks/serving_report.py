@@ -1,0 +1,189 @@
+"""What benchmarks/serving.py reports from its points: ratios to `dense` at the same rate, the
+saturation targets of the end-to-end issue, goodput, the summary table and the figure.
+
+Definitions (a point = one preset at one request rate):
+
+* out tok/s (`out_tok_s`): tokens the engine generated during the point / its duration. It
+  equals vLLM's `output_throughput` (completed requests' tokens / duration) when every request
+  completed (ignore_eos), and still counts the tokens of requests cut at a time cap.
+* mean TTFT (`ttft_ms`): vLLM's mean TTFT over completed requests; for a point cut at its time
+  cap, the mean over every sent request with the time until the cut standing in for a first
+  token that never came (`mean_ttft_lb_ms`, a lower bound).
+* saturation throughput of a preset: its highest out tok/s over the rates (the plateau of
+  SparseServe's Figure 11); the throughput target compares these.
+* TTFT ratio: dense's mean TTFT / the preset's at the same rate; reported at the highest rate
+  both ran and as the best over rates (the paper's "up to"). A ratio is "exact" when neither
+  point was cut, a "lower bound" when only dense's was (its TTFT is a lower bound), and
+  "unreliable" when the preset's own point was cut.
+
+    python benchmarks/serving_report.py docs/results/data/serving_lwm7b.json   # table again
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common as C  # noqa: E402
+
+TARGETS = {"throughput_x": 3.14, "ttft_x_lower": 9.26}  # SparseServe on LWM-7B (the issue)
+ORDER = ("dense", "sparse", "sparse-offload", "sparseserve")
+
+
+def rate_value(rate) -> float:
+    """A point's rate as a float ("inf" in the JSON is math.inf)."""
+    return math.inf if rate in ("inf", None) else float(rate)
+
+
+def out_tok_s(p: dict):
+    v = p.get("out_tok_s")
+    return v if v is not None else p.get("output_throughput")
+
+
+def ttft_ms(p: dict):
+    if p.get("truncated"):
+        return p.get("mean_ttft_lb_ms")
+    return p.get("mean_ttft_ms")
+
+
+def _div(a, b):
+    return a / b if a is not None and b else None
+
+
+def ordered(result: dict) -> list[tuple[str, dict]]:
+    recs = result["presets"]
+    return sorted(recs.items(), key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER else 99)
+
+
+def compare(result: dict) -> dict:
+    """Per preset other than dense: per-rate ratios, saturation throughput ratio, TTFT ratio
+    at the highest common rate and best over rates, and whether the targets are met."""
+    base = {rate_value(p["rate"]): p for p in
+            result["presets"].get("dense", {}).get("points", []) if p.get("completed") is not None}
+    out: dict = {}
+    dense_peak = max((out_tok_s(p) or 0 for p in base.values()), default=0) or None
+    for name, rec in ordered(result):
+        pts = [p for p in rec.get("points", []) if p.get("completed") is not None]
+        if name == "dense" or not pts or not base:
+            continue
+        per_rate = []
+        for p in pts:
+            b = base.get(rate_value(p["rate"]))
+            if b is None:
+                continue
+            quality = ("unreliable" if p.get("truncated") else
+                       "lower bound" if b.get("truncated") else "exact")
+            per_rate.append({"rate": p["rate"], "throughput_x": _div(out_tok_s(p), out_tok_s(b)),
+                             "ttft_x_lower": _div(ttft_ms(b), ttft_ms(p)),
+                             "ttft_ratio_quality": quality})
+        peak = max((out_tok_s(p) or 0 for p in pts), default=0) or None
+        ttfts = [r for r in per_rate if r["ttft_x_lower"] is not None]
+        best = max(ttfts, key=lambda r: r["ttft_x_lower"], default=None)
+        top = max(per_rate, key=lambda r: rate_value(r["rate"]), default=None)
+        sat = _div(peak, dense_peak)
+        out[name] = {
+            "per_rate": per_rate,
+            "saturation_throughput_x": sat,
+            "throughput_x_at_highest_rate": top and top["throughput_x"],
+            "ttft_x_lower_at_highest_rate": top and top["ttft_x_lower"],
+            "ttft_x_lower_best": best and best["ttft_x_lower"],
+            "ttft_x_lower_best_rate": best and best["rate"],
+            "ttft_x_lower_best_quality": best and best["ttft_ratio_quality"],
+            "targets": TARGETS,
+            "throughput_target_met": None if sat is None else sat >= TARGETS["throughput_x"],
+            "ttft_target_met": (None if best is None or best["ttft_ratio_quality"] == "unreliable"
+                                else best["ttft_x_lower"] >= TARGETS["ttft_x_lower"]),
+        }
+    return out
+
+
+def goodput(points: list[dict], tbt_slo_ms: float, queue_slo_s: float):
+    """SparseServe's goodput: the highest rate whose P99 TBT and mean queueing delay meet the
+    SLOs (points cut at their time cap never count; a missing queue time counts as met)."""
+    ok = [p for p in points
+          if p.get("completed") and not p.get("truncated")
+          and p.get("p99_itl_ms") is not None and p["p99_itl_ms"] <= tbt_slo_ms
+          and (p.get("mean_queue_s") or 0) <= queue_slo_s]
+    return max(ok, key=lambda p: rate_value(p["rate"]))["rate"] if ok else None
+
+
+def _x(v, digits: int = 2) -> str:
+    return "" if v is None else f"{v:.{digits}f}"
+
+
+def table(result: dict) -> str:
+    """The summary printed last: one row per point, goodput, then the targets."""
+    base = {rate_value(p["rate"]): p for p in result["presets"].get("dense", {}).get("points", [])}
+    rows = []
+    for name, rec in ordered(result):
+        for p in rec.get("points", []):
+            if p.get("completed") is None:  # skipped or failed point
+                rows.append([name, p["rate"], "-", p.get("skipped") or p.get("error", "")[:40]]
+                            + [""] * 7)
+                continue
+            b = base.get(rate_value(p["rate"])) if name != "dense" else None
+            done = f"{p['completed']}/{p['num_prompts']}" + ("*" if p.get("truncated") else "")
+            rows.append([name, p["rate"], done, C.fmt(out_tok_s(p), 0),
+                         _x(_div(out_tok_s(p), out_tok_s(b))) if b else "",
+                         C.fmt(None if ttft_ms(p) is None else ttft_ms(p) / 1e3, 2),
+                         _x(_div(ttft_ms(b), ttft_ms(p))) if b else "",
+                         C.fmt(p.get("mean_itl_ms"), 1), C.fmt(p.get("p99_itl_ms"), 0),
+                         C.fmt(p.get("preemptions"), 0), C.fmt(p.get("duration"), 1)])
+        rows.append([name, "goodput", C.fmt(rec.get("goodput_rate"), 2)] + [""] * 8)
+    out = C.table(["preset", "rate", "done", "out tok/s", "x dense", "TTFT s", "TTFT x lower",
+                   "TBT ms", "p99 TBT ms", "preempt", "dur s"], rows)
+    if any(p.get("truncated") for _, r in ordered(result) for p in r.get("points", [])):
+        out += "\n* cut at the point's time cap: out tok/s counts the cut requests' tokens, " \
+               "TTFT is a lower bound"
+    for name, c in (result.get("comparison") or {}).items():
+        out += (f"\n{name} vs dense: saturation throughput {_x(c['saturation_throughput_x'])}x "
+                f"(target >= {TARGETS['throughput_x']}x: {_met(c['throughput_target_met'])}); "
+                f"mean TTFT {_x(c['ttft_x_lower_best'])}x lower at rate "
+                f"{c['ttft_x_lower_best_rate']} ({c['ttft_x_lower_best_quality']}; target >= "
+                f"{TARGETS['ttft_x_lower']}x: {_met(c['ttft_target_met'])}), "
+                f"{_x(c['ttft_x_lower_at_highest_rate'])}x at the highest rate")
+    if result.get("errors"):
+        out += "\nerrors: " + "; ".join(f"{e['part']}: {e['error'][:120]}" for e in result["errors"])
+    return out
+
+
+def _met(v) -> str:
+    return "n/a" if v is None else ("met" if v else "MISSED")
+
+
+def plots(result: dict, path: str) -> str:
+    """SparseServe's Figures 10-12 (mean TTFT, output throughput, mean TBT vs rate); `inf` is
+    drawn at twice the highest finite rate."""
+    plt = C.pyplot()
+    finite = [rate_value(p["rate"]) for _, r in ordered(result) for p in r.get("points", [])
+              if math.isfinite(rate_value(p["rate"]))]
+    inf_x = 2 * max(finite) if finite else 1.0
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    metrics = ((lambda p: None if ttft_ms(p) is None else ttft_ms(p) / 1e3, "mean TTFT (s)"),
+               (out_tok_s, "output tokens/s"), (lambda p: p.get("mean_itl_ms"), "mean TBT (ms)"))
+    for name, rec in ordered(result):
+        pts = [p for p in rec.get("points", []) if p.get("completed")]
+        xs = [rate_value(p["rate"]) if math.isfinite(rate_value(p["rate"])) else inf_x for p in pts]
+        for ax, (fn, _) in zip(axes, metrics):
+            ys = [fn(p) for p in pts]
+            ax.plot([x for x, y in zip(xs, ys) if y is not None], [y for y in ys if y is not None],
+                    "o-", label=name)
+    for ax, (_, title) in zip(axes, metrics):
+        ax.set_xlabel(f"request rate (req/s; inf drawn at {inf_x:g})")
+        ax.set_ylabel(title)
+        ax.legend(fontsize=8)
+    return C.save_figure(fig, path)
+
+
+def main(argv=None) -> int:
+    for path in (argv if argv is not None else sys.argv[1:]):
+        with open(path) as f:
+            print(table(json.load(f)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
