@@ -124,7 +124,13 @@ def _place_kernel(key_ptr, counts_ptr, cursor_ptr, need_ptr, out_ptr, S,
         c = tl.sum(mine.to(tl.int32), axis=0)
         if c > 0:
             local = tl.cumsum(mine.to(tl.int32), axis=0) - 1
-            base = tl.atomic_add(cursor_ptr + kk, c)
+            # one lane claims the program's range: a tensor atomic whose own lane reads the
+            # old value, broadcast by a reduction (a scalar atomic's return value is not
+            # reliably broadcast to every thread: triton-lang/triton#7402)
+            lane0 = tl.arange(0, BLOCK) == 0
+            old = tl.atomic_add(cursor_ptr + kk + tl.zeros((BLOCK,), tl.int32),
+                                tl.where(lane0, c, 0), mask=lane0)
+            base = tl.sum(tl.where(lane0, old, 0), axis=0)
             tl.store(out_ptr + first + base + local, s.to(tl.int64), mask=mine)
         kk -= 1
         first = tl.sum(tl.where(kidx == kk, above, 0), axis=0)

@@ -96,6 +96,9 @@ class TwoTierCache:
         self._ws_host = torch.zeros(num_rows + 1, dtype=torch.long,
                                     pin_memory=device.type == "cuda")
         self.loader = PageLoader(cache.h2d_method)
+        # retrieve through the fused Triton kernels (GPU); tests set it on CPU tensors too,
+        # which runs them in Triton's interpreter
+        self.fused = device.type == "cuda"
         kw = {}
         if cache.d2h_method == "flash" and device.type == "cuda":
             # two steps of prefill saves in flight (the fence lags one step), 8 scatter threads
@@ -231,7 +234,7 @@ class TwoTierCache:
         On a GPU the bookkeeping is fused (kernels/retrieve.py); the torch version below is
         the CPU path and the reference."""
         counter = self.prefill_hit_miss if prefill else self.hit_miss
-        if pages.is_cuda:
+        if self.fused:
             return self._retrieve_fused(layer, pages, num_sel, rows, fresh_from, counter)
         K = pages.shape[2]
         k = torch.arange(K, device=pages.device).view(1, 1, K)

@@ -372,8 +372,8 @@ def test_select_with_key_codes_matches_reference(bits, Hq, Hkv, D):
     table = torch.where(table >= P, 0, table)  # garbage ids past num_pages stay in range
     kmin, kmax, codes = summ["kmin"], summ["kmax"], summ["codes"]
     for budget, sink, local, splits in ((8, 1, 2, 1), (16, 0, 1, 3)):
-        got = select_pages(q, kmin, kmax, table, num, None, budget, sink, local,
-                           num_splits=splits, codes=codes, bits=bits)
+        got = select_pages(*to_dev(q, kmin, kmax, table, num), None, budget, sink, local,
+                           num_splits=splits, codes=to_dev(codes), bits=bits)
         rp, rn, rb = ref.select_pages(*to_dev(q, kmin, kmax, table, num), None, budget, sink,
                                       local, codes=to_dev(codes), bits=bits)
         assert torch.equal(got[1].cpu(), rn.cpu())
