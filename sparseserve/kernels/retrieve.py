@@ -11,9 +11,10 @@ the same contract:
    data yet: it needs a slot, but is no miss and loads nothing); hit/miss counters are bumped
    on the device.
 2. victim order: category LRU by a counting sort over the keys of kvcache/eviction.py
-   (``resident`` + ``victim_key``: one pass each over the slots), then ``place``, which lays out
-   only the keys whose slots can be reached by this call's misses (the rest is never read), one
-   atomic per program and key. Plain LRU keeps its torch sort (the baseline).
+   (``resident`` + ``victim_key``: one pass each over the slots, the second also writing each
+   program's key histogram), a scan of those histograms, then ``place``, which lays out only
+   the keys whose slots can be reached by this call's misses (the rest is never read), at
+   positions from the scan — no atomics, deterministic. Plain LRU keeps its torch sort (the baseline).
 3. ``assign``: the i-th miss (rank from a cumulative sum) takes the i-th victim: page_of,
    last_access and owner of that slot are rewritten, the new mapping is inserted into the
    residency index (the old one goes stale; the index rebuilds itself when full), and the
@@ -34,7 +35,6 @@ from .residency_hash import insert_slots, probe_slots, rebuild_if_full
 patch_triton_interpreter()
 
 BLOCK = 256
-PLACE_BLOCK = 1024
 # per-entry kernels (probe, assign): small blocks, so a decode selection (~8k entries) spreads
 # its hash probes over every SM
 ENTRY_BLOCK = 64
@@ -81,10 +81,11 @@ def _resident_kernel(last_ptr, owner_ptr, resident_ptr, S, R, R_PAD: tl.constexp
 
 @triton.jit
 def _victim_key_kernel(last_ptr, owner_ptr, quota_ptr, resident_ptr, step_ptr, key_ptr,
-                       counts_ptr, S, NUM_BUCKETS: tl.constexpr, KEYS_PAD: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       counts_ptr, hist_ptr, S, NUM_BUCKETS: tl.constexpr,
+                       KEYS_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """key (higher = evicted earlier): 0 used this step | 1..B in quota | B+1..2B over
-    quota | 2B+1 free (kvcache/eviction.py's layout), and its count."""
+    quota | 2B+1 free (kvcache/eviction.py's layout), its count, and this program's
+    histogram row hist[pid, :] (for place's offsets)."""
     s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = s < S
     last = tl.load(last_ptr + s, mask=ok, other=-1)
@@ -100,38 +101,35 @@ def _victim_key_kernel(last_ptr, owner_ptr, quota_ptr, resident_ptr, step_ptr, k
     tl.store(key_ptr + s, key, mask=ok)
     h = tl.histogram(key, KEYS_PAD, mask=ok)
     k = tl.arange(0, KEYS_PAD)
+    tl.store(hist_ptr + tl.program_id(0) * KEYS_PAD + k, h)
     tl.atomic_add(counts_ptr + k, h, mask=(k < 2 * NUM_BUCKETS + 2) & (h > 0))
 
 
 @triton.jit
-def _place_kernel(key_ptr, counts_ptr, cursor_ptr, need_ptr, out_ptr, S,
+def _place_kernel(key_ptr, counts_ptr, offs_ptr, need_ptr, out_ptr, S,
                   NUM_KEYS: tl.constexpr, KEYS_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """out[first positions] = slots, highest key first, as far as the `need` (= need_ptr[0])
-    victims reach: keys from the top while their first position is < need. Each program
-    places its slots of one key at once (local ranks by a cumulative sum, one atomic)."""
-    s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    victims reach: keys from the top while their first position is < need. The program's
+    slots of key k go to above[k] + offs[pid, k] + their rank among them (offs: the slots of
+    key k in earlier programs, an exclusive scan of victim_key's histogram rows). No
+    atomics: positions are exact and deterministic. Same BLOCK as victim_key."""
+    pid = tl.program_id(0)
+    s = pid * BLOCK + tl.arange(0, BLOCK)
     ok = s < S
     key = tl.load(key_ptr + s, mask=ok, other=-1)
     kidx = tl.arange(0, KEYS_PAD)
     counts = tl.load(counts_ptr + kidx, mask=kidx < NUM_KEYS, other=0)
     # first position of key k when keys are laid out from the highest down
     above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0)
+    offs = tl.load(offs_ptr + pid * KEYS_PAD + kidx)
     need = tl.load(need_ptr)
     kk = NUM_KEYS - 1
     first = tl.sum(tl.where(kidx == kk, above, 0), axis=0)
     while (kk >= 0) & (first < need):
         mine = ok & (key == kk)
-        c = tl.sum(mine.to(tl.int32), axis=0)
-        if c > 0:
-            local = tl.cumsum(mine.to(tl.int32), axis=0) - 1
-            # one lane claims the program's range: a tensor atomic whose own lane reads the
-            # old value, broadcast by a reduction (a scalar atomic's return value is not
-            # reliably broadcast to every thread: triton-lang/triton#7402)
-            lane0 = tl.arange(0, BLOCK) == 0
-            old = tl.atomic_add(cursor_ptr + kk + tl.zeros((BLOCK,), tl.int32),
-                                tl.where(lane0, c, 0), mask=lane0)
-            base = tl.sum(tl.where(lane0, old, 0), axis=0)
-            tl.store(out_ptr + first + base + local, s.to(tl.int64), mask=mine)
+        local = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+        base = tl.sum(tl.where(kidx == kk, offs, 0), axis=0)
+        tl.store(out_ptr + first + base + local, s.to(tl.int64), mask=mine)
         kk -= 1
         first = tl.sum(tl.where(kidx == kk, above, 0), axis=0)
 
@@ -202,20 +200,22 @@ def category_lru_order(last_access, owner_row, row_quota, step, num_buckets: int
     grid = (triton.cdiv(S, BLOCK),)
     R = row_quota.shape[0]
     nk = 2 * num_buckets + 2
-    # one zeroed buffer: per-row residents, per-key counts, per-key place cursors
-    scratch = torch.zeros(R + 2 * nk, dtype=torch.int32, device=dev)
-    resident, counts, cursor = scratch[:R], scratch[R:R + nk], scratch[R + nk:]
+    # one zeroed buffer: per-row residents, per-key counts
+    scratch = torch.zeros(R + nk, dtype=torch.int32, device=dev)
+    resident, counts = scratch[:R], scratch[R:]
     _resident_kernel[grid](last_access, owner_row, resident, S, R,
                            R_PAD=triton.next_power_of_2(R), BLOCK=BLOCK)
     key = torch.empty(S, dtype=torch.int32, device=dev)
     pad = triton.next_power_of_2(nk)
-    _victim_key_kernel[grid](last_access, owner_row, row_quota, resident, step, key, counts, S,
-                             NUM_BUCKETS=num_buckets, KEYS_PAD=pad, BLOCK=BLOCK)
+    hist = torch.empty((grid[0], pad), dtype=torch.int32, device=dev)
+    _victim_key_kernel[grid](last_access, owner_row, row_quota, resident, step, key, counts,
+                             hist, S, NUM_BUCKETS=num_buckets, KEYS_PAD=pad, BLOCK=BLOCK)
+    offs = torch.cumsum(hist, 0, dtype=torch.int32) - hist  # exclusive over programs
     if need is None:
         need = torch.full((1,), S, dtype=torch.int32, device=dev)
     out = torch.empty(S, dtype=torch.int64, device=dev)
-    _place_kernel[(triton.cdiv(S, PLACE_BLOCK),)](key, counts, cursor, need, out, S,
-                                                  NUM_KEYS=nk, KEYS_PAD=pad, BLOCK=PLACE_BLOCK)
+    _place_kernel[grid](key, counts, offs, need, out, S, NUM_KEYS=nk, KEYS_PAD=pad,
+                        BLOCK=BLOCK)
     return out
 
 
