@@ -115,7 +115,9 @@ def test_fused_retrieve_matches_torch(policy, seed):
     if policy == "category-lru":
         fresh = make_cache(policy, seed)[0]
         assert sorted(keys_of(fresh, new_a).tolist()) == sorted(keys_of(fresh, new_b).tolist())
-    assert torch.equal(a.last_access[0].sort().values, b.last_access[0].sort().values)
+    # touched this step: the hits and the victims (which victim within a key is arbitrary
+    # on a GPU, so the untouched slots' ages may differ)
+    assert int((a.last_access[0] == a.step).sum()) == int((b.last_access[0] == b.step).sum())
     a.close()
     b.close()
 
