@@ -126,7 +126,11 @@ def run_config(name: str, model: str, cfg: dict, args, trace, device, dtype, dea
         rec.update(C.error_record(exc))
     finally:
         if llm is not None and getattr(llm.engine.runner, "offload", None) is not None:
-            llm.engine.runner.offload.close()
+            try:
+                llm.engine.runner.offload.close()
+            except Exception as exc:  # noqa: BLE001 - the run's own error is what matters
+                rec.setdefault("close_error", f"{type(exc).__name__}: {exc}"[:500])
+        save()  # before anything else can fail (a sticky CUDA error aborts the process)
         # drop every reference before collecting: the engine's graphs and runner form cycles,
         # and a live `eng` kept the previous engine's ~36 GB allocated into the next run's peak
         eng = llm = None
