@@ -16,7 +16,12 @@ Modules, one job each:
   protocol.py             pydantic request / response models; response_format / structured_outputs /
                           guided_json|regex|choice|grammar -> sparseserve.structured.StructuredOutputsParams
   errors.py               OpenAI-style error objects (400 instead of FastAPI's 422)
-  async_engine.py         AsyncLLMEngine: the engine loop in one background thread
+  async_engine.py         AsyncLLMEngine: the asyncio face of the engine (submit / abort / call,
+                          start / shutdown / forced cut, health)
+  engine_loop.py          EngineLoop: the one thread that calls the engine (commands, steps,
+                          output routing, stats and metrics feed)
+  generation_stream.py    GenerationStream: one HTTP request's outputs, aborted when left
+  engine_errors.py        EngineDeadError, ServerShutdownError, EngineOverloadedError
   metrics.py              Prometheus metrics (`sparseserve:` + vLLM names)
 
 Importing this package imports no web framework; fastapi / uvicorn / prometheus-client are

@@ -61,7 +61,7 @@ def shutting_down(reason: str = "") -> APIError:
 
 def engine_failure(exc: BaseException) -> APIError:
     """The 503 for an exception raised by the engine side (shutdown cut or dead loop)."""
-    from sparseserve.server.async_engine import ServerShutdownError
+    from sparseserve.server.engine_errors import ServerShutdownError
     if isinstance(exc, ServerShutdownError):
         return shutting_down()
     return engine_dead(str(exc))

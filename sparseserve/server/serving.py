@@ -13,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from sparseserve.server.async_engine import (Aborted, AsyncLLMEngine, EngineDeadError,
-                                             EngineOverloadedError, GenerationStream)
+from sparseserve.server.async_engine import AsyncLLMEngine
+from sparseserve.server.engine_errors import EngineDeadError, EngineOverloadedError
+from sparseserve.server.generation_stream import Aborted, GenerationStream
 from sparseserve.server.errors import (APIError, engine_failure, from_param_error, model_not_found,
                                        overloaded)
 from sparseserve.server.limits import ServerLimits

@@ -9,7 +9,8 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from sparseserve.server.async_engine import Aborted, EngineDeadError, GenerationStream
+from sparseserve.server.engine_errors import EngineDeadError
+from sparseserve.server.generation_stream import Aborted, GenerationStream
 from sparseserve.server.errors import APIError, engine_failure
 from sparseserve.server.logprobs import (completion_logprobs, prompt_completion_logprobs,
                                          prompt_logprobs_json)
