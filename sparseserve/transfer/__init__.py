@@ -84,7 +84,9 @@ class PageLoader:
         self.calls = 0
         self._counters: dict[torch.device, torch.Tensor] = {}
 
-    def _counter(self, device: torch.device) -> torch.Tensor:
+    def counter(self, device: torch.device) -> torch.Tensor:
+        """The [pages, bytes] int64 counter of loads into `device` (created on first use);
+        read it together with other device counters to save syncs."""
         c = self._counters.get(device)
         if c is None:
             c = self._counters[device] = torch.zeros(2, dtype=torch.int64, device=device)
@@ -94,7 +96,7 @@ class PageLoader:
         """Capturable for method "flash" on CUDA once the counter exists (first call)."""
         self.calls += 1
         load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, self.method,
-                   backend=self.backend, counter=self._counter(dev_k.device))
+                   backend=self.backend, counter=self.counter(dev_k.device))
 
     def stats(self) -> TransferStats:
         pages = nbytes = 0

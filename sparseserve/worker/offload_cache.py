@@ -286,17 +286,18 @@ class TwoTierCache:
 
     # ---- introspection --------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        """Counters (reads device values: call when collecting metrics, not per layer)."""
+        """Counters. The device counters are read with one copy (one sync), not one per
+        counter: the server reads them after every step."""
         saved = self.saver.stats()
-        loaded = self.loader.stats()
-        hits, misses = self.hit_miss.tolist()
-        p_hits, p_misses = self.prefill_hit_miss.tolist()
+        dev = self.hit_miss.device
+        parts = [self.hit_miss, self.prefill_hit_miss, self.direct_bytes_saved.view(1),
+                 (self.page_of[:, :-1] >= 0).sum().view(1), self.loader.counter(dev)]
+        hits, misses, p_hits, p_misses, direct, resident, pages, nbytes = \
+            torch.cat(parts).tolist()
         return {"cache_hits_total": hits, "cache_misses_total": misses,
                 "prefill_cache_hits_total": p_hits, "prefill_cache_misses_total": p_misses,
-                "bytes_loaded_total": loaded.bytes,
-                "bytes_saved_total": saved.bytes + int(self.direct_bytes_saved),
-                "pages_loaded_total": loaded.pages,
-                "resident_slots": int((self.page_of[:, :-1] >= 0).sum())}
+                "bytes_loaded_total": nbytes, "bytes_saved_total": saved.bytes + direct,
+                "pages_loaded_total": pages, "resident_slots": resident}
 
     def check_invariants(self) -> None:
         """The residency index and the reverse map agree (tests; reads the device): every
