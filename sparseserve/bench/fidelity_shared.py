@@ -18,7 +18,6 @@ never be used.
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
@@ -181,28 +180,20 @@ def _selected_mass(mass: torch.Tensor, sel) -> torch.Tensor:
     return (mass.gather(2, sel.blocks.long().clamp(max=mass.shape[2] - 1)) * ok).sum(-1)
 
 
-@contextlib.contextmanager
-def fast_kernels(shared: SharedText):
-    """Route the forward context's decode attention through shared.attend (falls back to the
-    engine kernel for anything that is not a row of the shared text)."""
-    from sparseserve.worker import forward_context as fc
-
-    orig = fc.paged_decode_attention
+def fast_decode_attention(shared: SharedText):
+    """A decode attention for `ModelRunner.hooked(decode_attention=...)`: shared.attend for rows
+    of the shared text, the engine kernel for anything else."""
+    from sparseserve.kernels import paged_decode_attention as engine_kernel
 
     def attend(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale, out=None,
                **kw):
         if kw:
-            return orig(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale, out,
-                        **kw)
+            return engine_kernel(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale,
+                                 out, **kw)
         return shared.attend(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale,
-                             out, fallback=orig)
+                             out, fallback=engine_kernel)
 
-    fc.paged_decode_attention = attend
-    try:
-        yield
-    finally:
-        fc.paged_decode_attention = orig
-
+    return attend
 
 
 def bound_scores(sh: SharedText, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,

@@ -16,14 +16,14 @@ Per text, the algorithms' summaries of the prefix pages are built once after the
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from sparseserve.bench.fidelity_shared import (RecallMeter, SharedOracle, SharedText, fast_kernels,
+from sparseserve.bench.fidelity_shared import (RecallMeter, SharedOracle, SharedText,
+                                                fast_decode_attention,
                                                shared_bounds_class, shared_codes_class)
 from sparseserve.bench.fidelity_variants import CLASSES, VARIANTS
 from sparseserve.config import SparseConfig
@@ -33,7 +33,6 @@ from sparseserve.request import SamplingParams
 from sparseserve.sparse import get_algorithm_class
 from sparseserve.sparse.algorithms import Oracle, Quest
 from sparseserve.sparse.keycodes import KeyCodes
-from sparseserve.worker.sparse_runtime import SparseRuntime
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 _D = SparseConfig()
@@ -98,21 +97,7 @@ class TailHarness:
         self.chunk_rows = chunk_rows
         self.prefill_chunk = prefill_chunk
         self._rid = 0
-        self.on_select = None  # f(layer, q, selection, ctx) for every sparse decode selection
         runner.keep_logits = True
-        self._install_hook()
-
-    # ---- setup ------------------------------------------------------------------------------
-    def _install_hook(self) -> None:
-        runner, orig = self.runner, self.runner._context
-
-        def context(*a, **k):
-            ctx = orig(*a, **k)
-            if self.on_select is not None:
-                ctx.on_select = self.on_select
-            return ctx
-
-        runner._context = context
 
     def pages(self, num_tokens: int, base: int = 0) -> np.ndarray:
         """[num_blocks, Hkv] physical pages of a text at `base` (block-major)."""
@@ -128,10 +113,8 @@ class TailHarness:
         self._rid += 1
         return f"fidelity-{self._rid}"
 
-    def _runtime(self, cfg: SparseConfig) -> SparseRuntime:
-        r = self.runner
-        return SparseRuntime(cfg, self.num_layers, r.cfg.cache.num_pages, self.ps,
-                             r.cfg.model.head_dim, r.dtype, r.device)
+    def _runtime(self, cfg: SparseConfig):
+        return self.runner.new_sparse_runtime(cfg)
 
     @torch.inference_mode()
     def prefill(self, tokens: list[int], prefix_len: int, base: int = 0,
@@ -142,12 +125,10 @@ class TailHarness:
         pages = self.pages(len(tokens), base)
         algos = [a for a in algorithms if get_algorithm_class(a).summary_names]
         query_algo = next((a for a in algos if get_algorithm_class(a).uses_queries), None)
-        saved = runner.sparse
         # a runtime of a query-aware algorithm (if any) indexes the prefix during prefill,
         # with the prefill's own queries, exactly as the engine's prefill does
-        runner.sparse = self._runtime(SparseConfig(query_algo)) if query_algo else None
         summaries = {}
-        try:
+        with runner.hooked(sparse=self._runtime(SparseConfig(query_algo)) if query_algo else None):
             rid = self.new_id()
             for s in range(0, prefix_len, self.prefill_chunk):
                 e = min(prefix_len, s + self.prefill_chunk)
@@ -158,8 +139,6 @@ class TailHarness:
             runner.execute(SchedulerOutput([], freed_rows=[0], freed_request_ids=[rid]))
             if query_algo:
                 summaries[query_algo] = [dict(s.tensors) for s in runner.sparse.summaries]
-        finally:
-            runner.sparse = saved
         ids = torch.as_tensor(pages[:prefix_len // self.ps].reshape(-1), device=runner.device)
         ntok = torch.full_like(ids, self.ps)
         for a in algos:
@@ -170,7 +149,7 @@ class TailHarness:
                 summaries[a] = [dict(s.tensors) for s in rt.summaries]
         return Prepared(list(tokens), prefix_len, base, summaries)
 
-    def runtime_for(self, prep: Prepared, setting: Setting) -> SparseRuntime | None:
+    def runtime_for(self, prep: Prepared, setting: Setting):
         """A fresh SparseRuntime for `setting` holding the text's prefix summaries."""
         cfg = setting.sparse_config()
         if cfg is None:
@@ -203,7 +182,6 @@ class TailHarness:
         layer (fidelity_shared) instead of the CPU reference kernels' per-row gathers; the
         same math, tested equal to the engine kernels."""
         runner = self.runner
-        saved = runner.sparse
         rt = self.runtime_for(prep, setting)
         shared = SharedText(runner.kv, self.hkv, len(prep.tokens), runner.scale, prep.base)
         if rt is not None and fast:
@@ -212,9 +190,8 @@ class TailHarness:
         if rt is not None and measure_recall:
             a = rt.algorithm
             meter = RecallMeter(shared, self.ps, a.budget_pages, a.sink_pages, a.local_pages)
-        runner.sparse = rt
-        self.on_select = meter
-        try:
+        attend = fast_decode_attention(shared) if fast else None
+        with runner.hooked(sparse=rt, on_select=meter, decode_attention=attend):
             pages = self.pages(len(prep.tokens), prep.base)
             P, n = prep.prefix_len, len(prep.tokens) - prep.prefix_len
             out = []
@@ -224,24 +201,18 @@ class TailHarness:
                 chunks = [ScheduledChunk(ids[r], r, [prep.tokens[P + t0 + r]], P + t0 + r, 0,
                                          self.num_layers, True, 0, 0, pages) for r in rows]
                 shared.set_rows(torch.arange(P + t0 + 1, P + t0 + 1 + len(rows)))
-                with fast_kernels(shared) if fast else contextlib.nullcontext():
-                    res = runner.execute(SchedulerOutput(
-                        chunks, new_rows=[NewRow(r, ids[r], GREEDY) for r in rows]))
+                res = runner.execute(SchedulerOutput(
+                    chunks, new_rows=[NewRow(r, ids[r], GREEDY) for r in rows]))
                 runner.execute(SchedulerOutput([], freed_rows=list(rows), freed_request_ids=ids))
                 out.append(res.logits)
             return TailResult(torch.cat(out), meter.summary() if meter else None)
-        finally:
-            runner.sparse = saved
-            self.on_select = None
 
     @torch.inference_mode()
     def run_sequential(self, prep: Prepared, setting: Setting, steps: int) -> torch.Tensor:
         """Reference: the first `steps` tail tokens decoded one step at a time (one decode row
         per step, as the engine decodes), engine kernels. -> [steps, vocab]."""
         runner = self.runner
-        saved = runner.sparse
-        runner.sparse = self.runtime_for(prep, setting)
-        try:
+        with runner.hooked(sparse=self.runtime_for(prep, setting)):
             pages = self.pages(len(prep.tokens), prep.base)
             rid = self.new_id()
             out = []
@@ -254,8 +225,6 @@ class TailHarness:
                 out.append(res.logits)
             runner.execute(SchedulerOutput([], freed_rows=[0], freed_request_ids=[rid]))
             return torch.cat(out)
-        finally:
-            runner.sparse = saved
 
 
 def _fast_algorithm(a, shared: SharedText):

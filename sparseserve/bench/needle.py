@@ -140,26 +140,24 @@ class NeedleRunner:
         for r in rows:  # the haystack's pages, then pages of the question's own
             own = h.pages(extra * ps, base2 + r * extra * hkv)
             tables.append(np.concatenate([hay_pages, own]))
-        saved = runner.sparse
-        runner.sparse = h.runtime_for(prep, setting)
         ids = [h.new_id() for _ in rows]
-        try:
-            chunks = [ScheduledChunk(ids[r], r, hs.questions[r].token_ids, n, 0, h.num_layers,
-                                     True, 0, 0, tables[r]) for r in rows]
-            res = runner.execute(SchedulerOutput(
-                chunks, new_rows=[NewRow(r, ids[r], GREEDY) for r in rows]))
-            out = [[res.token_ids[ids[r]]] for r in rows]
-            for step in range(1, self.max_tokens):
-                chunks = [ScheduledChunk(ids[r], r, [out[r][-1]],
-                                         n + len(hs.questions[r].token_ids) + step - 1, 0,
-                                         h.num_layers, True, step) for r in rows]
-                res = runner.execute(SchedulerOutput(chunks))
-                for r in rows:
-                    out[r].append(res.token_ids[ids[r]])
-            return out
-        finally:
-            runner.execute(SchedulerOutput([], freed_rows=list(rows), freed_request_ids=ids))
-            runner.sparse = saved
+        with runner.hooked(sparse=h.runtime_for(prep, setting)):
+            try:
+                chunks = [ScheduledChunk(ids[r], r, hs.questions[r].token_ids, n, 0, h.num_layers,
+                                         True, 0, 0, tables[r]) for r in rows]
+                res = runner.execute(SchedulerOutput(
+                    chunks, new_rows=[NewRow(r, ids[r], GREEDY) for r in rows]))
+                out = [[res.token_ids[ids[r]]] for r in rows]
+                for step in range(1, self.max_tokens):
+                    chunks = [ScheduledChunk(ids[r], r, [out[r][-1]],
+                                             n + len(hs.questions[r].token_ids) + step - 1, 0,
+                                             h.num_layers, True, step) for r in rows]
+                    res = runner.execute(SchedulerOutput(chunks))
+                    for r in rows:
+                        out[r].append(res.token_ids[ids[r]])
+                return out
+            finally:
+                runner.execute(SchedulerOutput([], freed_rows=list(rows), freed_request_ids=ids))
 
 
 def verify_with_llm(llm_kwargs: dict, hs: Haystack, setting: Setting, max_tokens: int,

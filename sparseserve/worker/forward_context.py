@@ -52,7 +52,11 @@ class ForwardContext:
                  sparse: SparseRuntime | None = None) -> None:
         self.kv = kv
         self.sparse = sparse
-        self.on_select = None  # evaluation hook: f(layer, q, selection, k_cache, v_cache)
+        # evaluation hooks (set through ModelRunner.hooked): f(layer, q, selection, ctx) after
+        # every sparse decode selection, and the decode attention (paged_decode_attention's
+        # contract; this class's decode rows only, not the two-tier cache's)
+        self.on_select = None
+        self.decode_attention = paged_decode_attention
         self.pages = pages
         self.num_decode = num_decode
         self.prefills = prefills
@@ -125,12 +129,12 @@ class ForwardContext:
                                                k_cache)
             if self.on_select is not None:
                 self.on_select(layer, q[:nd], sel, self)
-            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, sel.page_table,
-                                              sel.num_pages, sel.last_page_len, self.scale)
+            out[:nd] = self.decode_attention(q[:nd], k_cache, v_cache, sel.page_table,
+                                             sel.num_pages, sel.last_page_len, self.scale)
         elif nd:
             # the Triton kernel on GPU, its torch reference on CPU
-            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, self.dec_page_table,
-                                              self.dec_num_pages, self.dec_last_len, self.scale)
+            out[:nd] = self.decode_attention(q[:nd], k_cache, v_cache, self.dec_page_table,
+                                             self.dec_num_pages, self.dec_last_len, self.scale)
         for p in self.prefills:
             out[p.q_start:p.q_end] = self._prefill(p, q, k, v, k_cache, v_cache)
         return out

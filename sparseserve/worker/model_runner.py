@@ -4,6 +4,7 @@ active at each layer, sample. The only host sync per step is the final token cop
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparseserve.config import EngineConfig
+from sparseserve.config import EngineConfig, SparseConfig
 from sparseserve.engine.sched_output import ScheduledChunk, SchedulerOutput
 from sparseserve.kvcache.manager import cdiv
 from sparseserve.model.llama import LlamaForCausalLM
@@ -106,6 +107,9 @@ class ModelRunner:
             self.sparse = SparseRuntime(cfg.sparse, self.num_layers, num_ids, self.page_size,
                                         mc.head_dim, self.dtype, self.device)
         self.keep_logits = False  # evaluation: return each step's logits in RunnerOutput
+        # evaluation hooks (see `hooked`): set on every eager forward context
+        self.on_select = None
+        self.decode_attention = None
         self.graphs = None
         # the per-page baselines sync on the host, so only the Flash paths are captured
         capturable = self.offload is None or (self.offload.direct_decode_saves
@@ -241,14 +245,20 @@ class ModelRunner:
             width = max(cdiv(c.start + 1, self.page_size) for c in chunks[:num_decode])
         args = (self.kv, self.pages, rows, positions, num_decode, prefills, self.scale)
         if self.offload is None:
-            return ForwardContext(*args, decode_width=width, sparse=self.sparse)
-        pos, rws = self._np_pos, self._np_rows
-        if np_idx is not None:
-            pos, rws = pos[np_idx], rws[np_idx]
-        save_pages = self.pages.host_pages(rws, pos // self.page_size)  # [T, Hkv]
-        return OffloadForwardContext(*args, decode_width=width, sparse=self.sparse,
-                                     cache=self.offload, save_pages=save_pages,
-                                     save_offsets=pos % self.page_size)
+            ctx = ForwardContext(*args, decode_width=width, sparse=self.sparse)
+        else:
+            pos, rws = self._np_pos, self._np_rows
+            if np_idx is not None:
+                pos, rws = pos[np_idx], rws[np_idx]
+            save_pages = self.pages.host_pages(rws, pos // self.page_size)  # [T, Hkv]
+            ctx = OffloadForwardContext(*args, decode_width=width, sparse=self.sparse,
+                                        cache=self.offload, save_pages=save_pages,
+                                        save_offsets=pos % self.page_size)
+        if self.on_select is not None:
+            ctx.on_select = self.on_select
+        if self.decode_attention is not None:
+            ctx.decode_attention = self.decode_attention
+        return ctx
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
                 t0: float) -> RunnerOutput:
@@ -294,6 +304,36 @@ class ModelRunner:
                 entry[top_id[i][j]] = (top_lp[i][j], j + 1)
             entry[result.token_ids[c.request_id]] = (lp[i], rank[i])
             result.logprobs[c.request_id] = entry
+
+    # ---- evaluation seam (sparseserve.bench.fidelity*, tests) -------------------------------
+    def new_sparse_runtime(self, cfg: SparseConfig) -> SparseRuntime:
+        """A fresh sparse runtime for `cfg` shaped for this runner (summaries of every page,
+        empty), to swap in with `hooked(sparse=...)`."""
+        return SparseRuntime(cfg, self.num_layers, self.cfg.cache.num_pages, self.page_size,
+                             self.cfg.model.head_dim, self.dtype, self.device)
+
+    _KEEP = object()
+
+    @contextlib.contextmanager
+    def hooked(self, *, sparse: Any = _KEEP, on_select: Any = _KEEP, decode_attention: Any = _KEEP):
+        """Within the block, steps run with `sparse` (a SparseRuntime, or None: dense) instead
+        of the runner's own, call `on_select(layer, q, selection, ctx)` after every sparse decode
+        selection and attend decode rows with `decode_attention` (a drop-in for
+        `kernels.paged_decode_attention`; the eager single-tier path only). An argument not
+        given keeps its current value; everything is restored on exit. For evaluation harnesses
+        and tests that drive `execute` directly; CUDA-graph replays do not see the hooks."""
+        saved = (self.sparse, self.on_select, self.decode_attention)
+        keep = ModelRunner._KEEP
+        if sparse is not keep:
+            self.sparse = sparse
+        if on_select is not keep:
+            self.on_select = on_select
+        if decode_attention is not keep:
+            self.decode_attention = decode_attention
+        try:
+            yield self
+        finally:
+            self.sparse, self.on_select, self.decode_attention = saved
 
     # ---- bookkeeping ----------------------------------------------------------------------
     def release(self, rows: list[int], request_ids: list[str], pages: np.ndarray) -> None:

@@ -54,18 +54,12 @@ def test_sparse_batch_equals_apart_and_is_really_sparse(model_dir, algo):
     llm = LLM(model_dir, max_num_seqs=4, max_num_batched_tokens=20, **kw)
     seen = []
 
-    runner = llm.engine.runner
-    orig = runner._context
+    def spy(layer, q, sel, c):
+        seen.append((c.num_decode, len(c.prefills), sel.num_pages.max().item(),
+                     c.dec_num_pages.max().item()))
 
-    def spy(*a, **k):
-        ctx = orig(*a, **k)
-        ctx.on_select = lambda layer, q, sel, c: seen.append(
-            (c.num_decode, len(c.prefills), sel.num_pages.max().item(),
-             c.dec_num_pages.max().item()))
-        return ctx
-
-    runner._context = spy
-    batched = llm.generate(prompts(), PARAMS, use_tqdm=False)
+    with llm.engine.runner.hooked(on_select=spy):
+        batched = llm.generate(prompts(), PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in batched] == [o.outputs[0].token_ids for o in apart]
     assert any(nd and npre for nd, npre, _, _ in seen), "no step mixed decode and prefill"
     assert max(s for _, _, s, _ in seen) <= 4  # 64-token budget = 4 pages
