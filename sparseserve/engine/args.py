@@ -91,7 +91,9 @@ class EngineArgs:
                             help="decode steps a working set spans (SparseServe's w)")
         parser.add_argument("--page-size", type=int, default=d.page_size)
         parser.add_argument("--kv-cache-memory-bytes", type=_parse_bytes, default=None,
-                            help="device KV cache size, e.g. 4G or 4294967296")
+                            help="device KV cache size of each tensor-parallel rank (GPU), e.g. 4G "
+                                 "or 4294967296 (default: what gpu_memory_utilization leaves "
+                                 "after the rank's weight shard)")
         parser.add_argument("--gpu-memory-utilization", type=float,
                             default=d.gpu_memory_utilization)
         parser.add_argument("--seed", type=int, default=d.seed)
@@ -100,7 +102,8 @@ class EngineArgs:
                             help="two-tier KV cache: every page in host DRAM, HBM caches the "
                                  "pages sparse decode reads")
         parser.add_argument("--kv-offloading-size", type=float, default=None,
-                            help="GiB of pinned host memory for the host tier (default: what "
+                            help="GiB of pinned host memory for the host tier, in total over the "
+                                 "tensor-parallel ranks (each holds 1/N; default: what "
                                  "max-num-seqs x max-model-len needs, at most half the free "
                                  "RAM)")
         parser.add_argument("--h2d-method", default=None, choices=["flash", "memcpy"],
@@ -184,7 +187,7 @@ class EngineArgs:
             raise ValueError("working_set_window must be >= 1 decode step.")
 
         page_bytes = 2 * mc.num_hidden_layers * self.page_size * mc.head_dim * DTYPE_BYTES[dtype]
-        kv_bytes = self._kv_bytes(device, mc, dtype)
+        kv_bytes = self._kv_bytes(device, mc, dtype, tp)
         num_pages = kv_bytes // page_bytes
         num_host_pages = self._host_pages(page_bytes, mc_rank, tp)
         mc_full, mc = mc, mc_rank  # page counts below are per rank, over its KV heads
@@ -332,35 +335,74 @@ class EngineArgs:
                             sink_pages=self.sink_pages, local_pages=self.local_pages,
                             dense_layers=self.dense_layers)
 
-    def _kv_bytes(self, device: str, mc: ModelConfig, dtype: str) -> int:
+    def _kv_bytes(self, device: str, mc: ModelConfig, dtype: str, tp: int = 1) -> int:
+        """Device KV cache bytes of one rank (each of the tp ranks holds this much).
+
+        kv_cache_memory_bytes is per rank, as in vLLM. On the CPU the ranks share the host's
+        memory: the default of CPU_DEFAULT_KV_BYTES is their total (each rank's 1/tp of the
+        KV heads then fits as many tokens as one process does). On GPUs each rank's budget is
+        what its GPU (the fullest of the tp) has left after its weight shard (1/tp of the
+        projections, embedding and LM head; norms replicated) and its activations."""
         if self.kv_cache_memory_bytes is not None:
             if self.kv_cache_memory_bytes <= 0:
                 raise ValueError("kv_cache_memory_bytes must be > 0.")
             return int(self.kv_cache_memory_bytes)
         if device == "cpu":
-            return CPU_DEFAULT_KV_BYTES
-        import torch
-
+            return CPU_DEFAULT_KV_BYTES // tp
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1].")
-        free, total = torch.cuda.mem_get_info()
-        weights = _param_count(mc) * DTYPE_BYTES[dtype]
-        # activations of the largest step: hidden/MLP buffers plus fp32 logits of the batch
-        act = self.max_num_batched_tokens * (mc.hidden_size * 8 + mc.intermediate_size * 6) \
-            + self.max_num_seqs * mc.vocab_size * 12 + 2 * GiB
+        free, total = gpu_memory(tp)
+        weights = _param_count(mc, tp) * DTYPE_BYTES[dtype]
+        act = _activation_bytes(mc, self.max_num_batched_tokens, self.max_num_seqs, tp)
         budget = min(free, int(total * self.gpu_memory_utilization)) - weights - act
         if budget <= 0:
             raise ValueError("No GPU memory left for the KV cache after weights and activations; "
-                             "raise gpu_memory_utilization or use a smaller model.")
+                             "raise gpu_memory_utilization, use a smaller model or a larger "
+                             "tensor_parallel_size.")
         return int(budget)
 
 
-def _param_count(mc: ModelConfig) -> int:
+def gpu_memory(tp: int = 1) -> tuple[int, int]:
+    """(free, total) bytes of the GPU with the least free memory among the tp ranks' GPUs
+    (CUDA devices 0..tp-1). With tp > 1 the engine process runs no model: NVML answers
+    without creating a CUDA context here; without NVML (pynvml) torch.cuda.mem_get_info
+    does, at the cost of a context on each GPU in this process."""
+    import torch
+
+    if tp == 1:
+        return torch.cuda.mem_get_info()
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            infos = [pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(
+                torch.cuda._get_nvml_device_index(i))) for i in range(tp)]
+        finally:
+            pynvml.nvmlShutdown()
+        mems = [(int(m.free), int(m.total)) for m in infos]
+    except Exception:  # noqa: BLE001 - no NVML: ask the CUDA runtime
+        mems = [torch.cuda.mem_get_info(i) for i in range(tp)]
+    return min(f for f, _ in mems), min(t for _, t in mems)
+
+
+def _param_count(mc: ModelConfig, tp: int = 1) -> int:
+    """Parameters one of tp ranks holds (model/parallel.py): the projections split tp ways,
+    the embedding and an untied LM head ceil(vocab / tp) rows each, the norms whole."""
     h, i, d = mc.hidden_size, mc.intermediate_size, mc.head_dim
-    attn = h * d * (2 * mc.num_attention_heads + 2 * mc.num_key_value_heads)
-    layer = attn + 3 * h * i + 2 * h
-    head = 0 if mc.tie_word_embeddings else mc.vocab_size * h
-    return mc.num_hidden_layers * layer + mc.vocab_size * h + head + h
+    attn = h * d * (2 * mc.num_attention_heads + 2 * mc.num_key_value_heads) // tp
+    layer = attn + 3 * h * i // tp + 2 * h
+    rows = -(-mc.vocab_size // tp)
+    head = 0 if mc.tie_word_embeddings else rows * h
+    return mc.num_hidden_layers * layer + rows * h + head + h
+
+
+def _activation_bytes(mc: ModelConfig, batched_tokens: int, num_seqs: int, tp: int = 1) -> int:
+    """Activations of the largest step on one rank: the hidden-size buffers (whole on every
+    rank), its 1/tp of the MLP buffers, fp32 logits of the batch (rank 0 gathers the whole
+    vocabulary, and every rank gets rank 0's page counts), plus 2 GiB of slack (CUDA context,
+    allocator, collectives' buffers)."""
+    return batched_tokens * (mc.hidden_size * 8 + mc.intermediate_size * 6 // tp) \
+        + num_seqs * mc.vocab_size * 12 + 2 * GiB
 
 
 def _resolve_dtype(dtype: str, device: str, mc: ModelConfig) -> str:
