@@ -1,7 +1,7 @@
 """Helpers shared by the benchmarks that drive the whole engine (offline_throughput.py,
 offload.py): the --only part list and the device choice, the progress log and error records,
 random prompts, and what their decode-step timing needs from the engine (the pure-decode
-check, runner.execute wall times, the captured CUDA graph sizes).
+check, the executor's execute wall times, the captured CUDA graph sizes).
 
 Nothing here imports sparseserve; the engine objects are passed in.
 """
@@ -94,8 +94,9 @@ def pure_decode(sched, batch: int) -> bool | None:
 
 
 class ExecuteTimer:
-    """Wall time of each runner.execute call while installed: an instance attribute that
-    shadows the method, so removing it restores the runner exactly."""
+    """Wall time of each execute call of `runner` (the engine's executor: the model part of
+    a step at any tensor_parallel_size) while installed: an instance attribute that shadows
+    the method, so removing it restores the object exactly."""
 
     def __init__(self, runner) -> None:
         self.runner = runner
@@ -115,6 +116,7 @@ class ExecuteTimer:
         self.runner.__dict__.pop("execute", None)
 
 
-def graph_batch_sizes(graphs) -> list[int] | None:
-    """Batch sizes of the decode CUDA graphs a runner captured (None: it runs eagerly)."""
-    return list(getattr(graphs, "sizes", None) or []) if graphs is not None else None
+def engine_graph_sizes(engine) -> list[int] | None:
+    """Batch sizes of the decode CUDA graphs the engine's (rank 0's) runner captured (None:
+    eager); through the executor, so at any tensor_parallel_size."""
+    return engine.executor.graph_info()["batch_sizes"]

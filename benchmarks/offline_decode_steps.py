@@ -21,8 +21,8 @@ def bench_decode(engine, batch: int, ctx: int, warm: int, steps: int, vocab: int
     ids = [f"decode-{batch}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, {"prompt_token_ids": prompt_ids(rng, ctx, vocab)}, params)
-    sched, runner = engine.scheduler, engine.runner
-    execute = ExecuteTimer(runner)  # runner wall time of each timed step
+    sched = engine.scheduler
+    execute = ExecuteTimer(engine.executor)  # the model's wall time of each timed step
     exec_times = execute.times
     step_s, host_s, pure = [], [], []
     try:

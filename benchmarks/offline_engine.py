@@ -7,7 +7,7 @@ import time
 
 import common as C
 import numpy as np
-from engine_bench import fail, graph_batch_sizes, log, prompt_ids
+from engine_bench import engine_graph_sizes, fail, log, prompt_ids
 from offline_decode_steps import bench_decode
 from offline_workloads import Workload, engine_plan, make_prompts
 
@@ -28,12 +28,11 @@ def make_llm(model: str, setup: dict, max_len: int, num_seqs: int, batched: int,
     llm = LLM(model, **kw)
     C.synchronize()
     eng = llm.engine
-    graphs = getattr(eng.runner, "graphs", None)
     info = {"engine_args": kw, "load_s": time.perf_counter() - t0,
             "num_pages": eng.config.cache.num_pages,
             "max_model_len": eng.config.scheduler.max_model_len,
             # decode CUDA graphs the runner captured (None: it runs eagerly)
-            "cuda_graph_batch_sizes": graph_batch_sizes(graphs)}
+            "cuda_graph_batch_sizes": engine_graph_sizes(eng)}
     return llm, info
 
 

@@ -83,11 +83,11 @@ def measure_decode(b: Bench, eng: Engine, plan: dict, stop_at: float) -> dict:
     rng = np.random.default_rng(a.seed + batch)
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
     rids = [f"dec-{batch}-{i}" for i in range(batch)]
-    sched, runner = engine.scheduler, engine.runner
+    sched, runner = engine.scheduler, engine.runner  # runner: None with TP > 1
     rec: dict = {}
-    execute = ExecuteTimer(runner)  # the runner's wall time of each timed step
+    execute = ExecuteTimer(engine.executor)  # the model's wall time of each timed step
     exec_s = execute.times
-    graphs = getattr(runner, "graphs", None)
+    graphs = getattr(runner, "graphs", None)  # graph replays are counted in-process only
     replays = [0]
     graph_run = getattr(graphs, "run", None)
 
@@ -169,8 +169,8 @@ def measure_decode(b: Bench, eng: Engine, plan: dict, stop_at: float) -> dict:
     rec.update({
         "timed_steps": n, "pure_decode_steps": sum(1 for p in pure if p),
         "pure_decode_verified": None not in pure,
-        "cuda_graph_replays": replays[0],
-        "cuda_graphs_used": bool(n and replays[0] == n),
+        "cuda_graph_replays": replays[0] if runner is not None else None,
+        "cuda_graphs_used": bool(n and replays[0] == n) if runner is not None else None,
         "step_ms": C.summarize(step_s, 1e3), "host_ms": C.summarize(host, 1e3),
         "execute_ms": C.summarize(exec_s, 1e3),
         "engine_overhead_ms": C.summarize([s_ - e for s_, e in zip(step_s, exec_s)], 1e3)

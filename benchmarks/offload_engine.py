@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import common as C
-from engine_bench import graph_batch_sizes
+from engine_bench import engine_graph_sizes
 from offload_bench import Bench
 from offload_shape import GiB, meminfo
 
@@ -36,15 +36,15 @@ class Engine:
         load_s = time.perf_counter() - t0
         self.bench.loads.append(load_s)
         eng = self.llm.engine
-        graphs = getattr(eng.runner, "graphs", None)
+        graphs = eng.executor.graph_info()
         cc = eng.config.cache
         mem1 = meminfo().get("MemAvailable")
         self.info = {
             "engine_args": dict(self.kwargs), "load_s": load_s,
             "enforce_eager": bool(self.kwargs.get("enforce_eager", False)),
-            "cuda_graphs": graphs is not None,
-            "cuda_graph_error": getattr(eng.runner, "graph_error", None),
-            "cuda_graph_batch_sizes": graph_batch_sizes(graphs),
+            "cuda_graphs": graphs["batch_sizes"] is not None,
+            "cuda_graph_error": graphs["error"],
+            "cuda_graph_batch_sizes": engine_graph_sizes(eng),
             "device_pages_or_slots": int(cc.num_pages),
             "host_pages": int(getattr(cc, "num_host_pages", 0) or 0),
             "max_model_len": int(eng.config.scheduler.max_model_len),
@@ -60,13 +60,14 @@ class Engine:
 
     @property
     def offload(self):
-        return getattr(self.llm.engine.runner, "offload", None)
+        """The in-process two-tier cache (a clear error with tensor_parallel_size > 1)."""
+        runner = self.llm.engine.executor.local_runner("the offload benchmark's save fence")
+        return runner.offload
 
     def __exit__(self, *exc) -> None:
         try:
-            off = self.offload if self.llm is not None else None
-            if off is not None:
-                off.close()
+            if self.llm is not None:
+                self.llm.engine.shutdown()  # closes the two-tier cache (and any TP ranks)
         except Exception:  # noqa: BLE001
             pass
         self.llm = None
@@ -77,11 +78,11 @@ def cache_stats(engine) -> dict:
     """get_stats counters plus pages loaded (per layer, K+V of one KV head's page each)."""
     s = engine.get_stats()
     out = {k: int(s.get(k, 0) or 0) for k in STAT_KEYS}
-    off = getattr(engine.runner, "offload", None)
+    tier = engine.executor.offload_stats()  # summed over the TP ranks
     out["pages_loaded_total"] = 0
-    if off is not None:
+    if tier is not None:
         try:
-            out["pages_loaded_total"] = int(off.stats().get("pages_loaded_total"))
+            out["pages_loaded_total"] = int(tier.get("pages_loaded_total"))
         except Exception:  # noqa: BLE001 - derive it from the bytes
             out["pages_loaded_total"] = None
     return out

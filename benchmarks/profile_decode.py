@@ -79,8 +79,7 @@ def profile(name: str, a) -> dict:
     kernels.sort(key=lambda r: -r["us_per_step"])
     stats = eng.get_stats()
     running = stats["num_running"]
-    if eng.runner.offload is not None:
-        eng.runner.offload.close()
+    eng.shutdown()  # the two-tier cache's transfer threads (and any TP ranks) stop
     del llm, eng
     if cuda:
         torch.cuda.empty_cache()

@@ -79,8 +79,7 @@ def profile(name: str, a) -> dict:
                         "ms_per_step": e.self_cpu_time_total / n / 1e3})
     kernels.sort(key=lambda r: -r["ms_per_step"])
     cpu.sort(key=lambda r: -r["ms_per_step"])
-    if eng.runner.offload is not None:
-        eng.runner.offload.close()
+    eng.shutdown()  # the two-tier cache's transfer threads (and any TP ranks) stop
     del llm, eng
     torch.cuda.empty_cache()
     return {"steps": n, "wall_ms_per_step": 1e3 * sum(walls) / n,

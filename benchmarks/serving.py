@@ -200,10 +200,9 @@ def run_preset(a, preset: str, model: str, vocab: int, device: str, dtype: str, 
         E.fail(deadline, result, preset, exc)
         rec.update(C.error_record(exc))
     finally:
-        offload = getattr(getattr(engine, "runner", None), "offload", None)
-        if offload is not None:
-            offload.close()
-        engine = offload = None  # every reference, so the next preset starts from an empty GPU
+        if engine is not None:
+            engine.shutdown()  # closes the two-tier cache (and stops any TP ranks)
+        engine = None  # every reference, so the next preset starts from an empty GPU
         C.free_device_memory()
         C.empty_host_cache()
         save()

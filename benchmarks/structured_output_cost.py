@@ -103,7 +103,7 @@ def engine_cost(llm, batch: int, max_tokens: int) -> dict:
                 times.append(dt)
         res[f"decode_step_{name}_grammar_ms"] = _ms(times) if times else None
         res[f"steps_{name}"] = len(times)
-    assert not eng.runner.grammars, "matchers leaked"
+    assert not eng.grammars, "matchers leaked"
     return {"batch": batch, **res}
 
 

@@ -110,7 +110,7 @@ def run_config(name: str, model: str, cfg: dict, args, trace, device, dtype, dea
         rec["load_s"] = time.perf_counter() - t
         eng = llm.engine
         rec["num_slots_or_pages_per_layer"] = eng.config.cache.num_pages
-        rec["cuda_graphs"] = E.graph_batch_sizes(getattr(eng.runner, "graphs", None))
+        rec["cuda_graphs"] = eng.executor.graph_info()["batch_sizes"]
         warmup(eng, cfg["vocab_size"], args.scale)
         stop_at = time.perf_counter() + max(5.0, min(args.run_budget_s, deadline.remaining() - 30))
         C.free_device_memory()  # an engine of the previous configuration is gone by now
@@ -125,9 +125,9 @@ def run_config(name: str, model: str, cfg: dict, args, trace, device, dtype, dea
         E.fail(deadline, result, name, exc)
         rec.update(C.error_record(exc))
     finally:
-        if llm is not None and getattr(llm.engine.runner, "offload", None) is not None:
+        if llm is not None:
             try:
-                llm.engine.runner.offload.close()
+                llm.engine.shutdown()  # closes the two-tier cache (and stops any TP ranks)
             except Exception as exc:  # noqa: BLE001 - the run's own error is what matters
                 rec.setdefault("close_error", f"{type(exc).__name__}: {exc}"[:500])
         save()  # before anything else can fail (a sticky CUDA error aborts the process)

@@ -15,8 +15,9 @@ import numpy as np
 
 
 class StepRecorder:
-    """Wraps runner.execute (an instance attribute shadowing the method) to record what each
-    step scheduled: decode rows and prefill token-layers."""
+    """Wraps the engine's executor.execute (an instance attribute shadowing the method; any
+    tensor_parallel_size) to record what each step scheduled: decode rows and prefill
+    token-layers."""
 
     def __init__(self, runner, num_layers: int) -> None:
         self.runner = runner
@@ -57,7 +58,7 @@ def run_trace(engine, trace: list[dict], device: str, stop_at: float) -> dict:
                            SamplingParams(temperature=0.0, max_tokens=req["max_tokens"],
                                           ignore_eos=True))
     loaded_prev = stats0.get("pages_loaded_total", 0)
-    with StepRecorder(engine.runner, L) as rec:
+    with StepRecorder(engine.executor, L) as rec:
         while engine.has_unfinished_requests():
             if time.perf_counter() > stop_at:
                 engine.abort_request(ids)

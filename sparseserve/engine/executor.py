@@ -5,8 +5,15 @@ Both offer the interface LLMEngine calls:
     release(rows, request_ids, pages)
     offload_stats() -> dict | None   (two-tier cache counters, summed over ranks, with
                                       "total_slots" = device slots x layers)
-    check_invariants(), check_health(), shutdown()
-and `runner`: the in-process ModelRunner (UniprocExecutor) or None (MultiprocExecutor).
+    graph_info() -> {"batch_sizes": [...] | None, "error": str | None}
+                                     (the decode CUDA graphs rank 0 captured; None: eager)
+    check_invariants(), check_health(), shutdown()   (shutdown also closes the two-tier
+                                      cache's transfer threads; idempotent)
+and `runner`: the in-process ModelRunner (UniprocExecutor) or None (MultiprocExecutor);
+`local_runner(purpose)` returns it or raises a clear error for what needs a rank's internals
+(the fidelity harness, per-graph counters). Benchmarks go through this interface, so they
+run at any tensor_parallel_size; wrapping `execute` (an instance attribute) times a step's
+model part either way.
 
 UniprocExecutor (tensor_parallel_size 1) calls today's ModelRunner directly. MultiprocExecutor
 spawns one worker process per rank (worker/tp_worker.py, torch.multiprocessing "spawn"),
@@ -50,6 +57,13 @@ class UniprocExecutor:
         from sparseserve.worker.tp_worker import offload_stats
         return offload_stats(self.runner)
 
+    def graph_info(self) -> dict:
+        from sparseserve.worker.tp_worker import graph_info
+        return graph_info(self.runner)
+
+    def local_runner(self, purpose: str = ""):
+        return self.runner
+
     def check_invariants(self) -> None:
         if self.runner.offload is not None:
             self.runner.offload.check_invariants()
@@ -59,7 +73,8 @@ class UniprocExecutor:
             raise RuntimeError("engine has no model runner")
 
     def shutdown(self) -> None:
-        pass
+        if self.runner is not None and self.runner.offload is not None:
+            self.runner.offload.close()  # idempotent
 
 
 def _free_port() -> int:
@@ -68,22 +83,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop(procs, conns) -> None:
-    """Ask every rank to exit, then terminate / kill what is left (idempotent)."""
+def _stop(procs, conns, grace_s: float = 10.0, term_s: float = 5.0) -> None:
+    """Ask every rank to exit, give them grace_s, then terminate (SIGTERM, term_s) and kill
+    what is left (idempotent)."""
     msg = pickle.dumps(("shutdown", [], None))
     for c in conns:
         try:
             c.send_bytes(msg)
         except (OSError, ValueError):
             pass
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.terminate()
-            p.join(5.0)
-        if p.is_alive():
+            p.join(term_s)
+        if p.is_alive():  # e.g. a stopped (SIGSTOP) process: SIGTERM waits, SIGKILL does not
             p.kill()
             p.join(5.0)
     for c in conns:
@@ -104,6 +120,7 @@ class MultiprocExecutor:
 
         self.runner = None
         self.size = cfg.parallel.tensor_parallel_size
+        self.kv_offload = bool(cfg.cache.kv_offload)
         self.timeout_s = float(timeout_s or os.environ.get("SPARSESERVE_TP_TIMEOUT_S", 600))
         backend = "nccl" if cfg.device == "cuda" else "gloo"
         self.backend = backend
@@ -145,10 +162,21 @@ class MultiprocExecutor:
             self._pending.append((rows, request_ids, pages))  # sent with the next command
 
     def offload_stats(self) -> dict | None:
+        if not self.kv_offload:
+            return None  # no round trip to the ranks
         replies = self._call("offload_stats", None)
         if replies[0] is None:
             return None
         return {k: sum(r[k] for r in replies) for k in replies[0]}
+
+    def graph_info(self) -> dict:
+        return self._call("graph_info", None)[0]
+
+    def local_runner(self, purpose: str = ""):
+        what = f"{purpose} needs" if purpose else "This needs"
+        raise RuntimeError(f"{what} the in-process model runner, but with "
+                           f"tensor_parallel_size={self.size} the model lives in {self.size} "
+                           "worker processes; run it with tensor_parallel_size=1.")
 
     def check_invariants(self) -> None:
         self._call("check_invariants", None)
@@ -217,5 +245,7 @@ class MultiprocExecutor:
 
     def _fail(self, message: str) -> None:
         self._dead = message
-        self._finalizer()
+        # the ranks are broken: a short grace for the live ones, then they are killed
+        self._finalizer.detach()
+        _stop(self.procs, self.conns, grace_s=2.0, term_s=1.0)
         raise RuntimeError(message)

@@ -319,7 +319,9 @@ class LLMEngine:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes (a no-op with one process)."""
+        """Release the model's workers: stop the tensor-parallel worker processes, or with one
+        process close the two-tier cache's transfer threads (idempotent; the engine cannot
+        step afterwards)."""
         self.executor.shutdown()
 
 

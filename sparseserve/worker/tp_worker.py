@@ -10,13 +10,15 @@ message, the same bytes for every rank; `releases` are the (rows, request ids, p
 engine released since the last command, applied first. rank -> engine `("ok", reply)` or
 `("error", traceback text)` (after which the rank exits). Commands: "execute"
 (SchedulerOutput -> RunnerOutput: tokens and logprobs from rank 0 only, working sets from
-every rank), "offload_stats" (-> dict | None), "check_invariants", "shutdown".
+every rank), "offload_stats" (-> dict | None), "graph_info" (-> dict), "check_invariants",
+"shutdown".
 """
 from __future__ import annotations
 
 import datetime
 import os
 import pickle
+import sys
 import time
 import traceback
 
@@ -50,11 +52,21 @@ def offload_stats(runner: ModelRunner) -> dict | None:
     return stats
 
 
+def graph_info(runner: ModelRunner) -> dict:
+    """The batch sizes of the decode CUDA graphs the runner captured (None: it decodes
+    eagerly) and why capture failed, if it did."""
+    graphs = runner.graphs
+    sizes = list(getattr(graphs, "sizes", None) or []) if graphs is not None else None
+    return {"batch_sizes": sizes, "error": runner.graph_error}
+
+
 def _serve(runner: ModelRunner, cmd: str, arg):
     if cmd == "execute":
         return runner.execute(arg)
     if cmd == "offload_stats":
         return offload_stats(runner)
+    if cmd == "graph_info":
+        return graph_info(runner)
     if cmd == "check_invariants":
         if runner.offload is not None:
             runner.offload.check_invariants()
@@ -64,13 +76,14 @@ def _serve(runner: ModelRunner, cmd: str, arg):
 
 def worker_main(rank: int, size: int, port: int, backend: str, timeout_s: float,
                 cfg, source, conn) -> None:
-    """Process entry of rank `rank` of `size` (see the module docstring for the protocol)."""
+    """Process entry of rank `rank` of `size` (see the module docstring for the protocol);
+    ends the process (os._exit: 0, or 1 after an error) once the rank is cleaned up."""
     import torch
     import torch.distributed as dist
 
     from sparseserve.model.parallel import TensorParallel
 
-    runner = None
+    runner, code = None, 0
     try:
         if cfg.device == "cuda":
             torch.cuda.set_device(rank)
@@ -91,12 +104,22 @@ def worker_main(rank: int, size: int, port: int, backend: str, timeout_s: float,
                 runner.release(*rel)
             conn.send(("ok", _serve(runner, cmd, arg)))
     except BaseException:  # noqa: BLE001 - the engine reports it and stops every rank
+        code = 1
         try:
             conn.send(("error", traceback.format_exc()))
         except (OSError, EOFError):
             pass
     finally:
-        if runner is not None and runner.offload is not None:
-            runner.offload.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        try:
+            if runner is not None and runner.offload is not None:
+                runner.offload.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except BaseException:  # noqa: BLE001 - nobody is left to tell but the log
+            code = code or 1
+            traceback.print_exc()
+        # nothing is left to do: skip the interpreter's teardown, over a second with torch
+        # loaded (a shutdown then takes as long as the ranks' cleanup above)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
