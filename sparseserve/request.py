@@ -122,6 +122,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    @property
+    def min_tokens_stop_ids(self) -> tuple[int, ...]:
+        """Token ids the sampler forbids until min_tokens tokens were generated: stop_token_ids
+        and EOS (as vLLM, EOS even with ignore_eos); () without min_tokens (worker/min_tokens.py)."""
+        p = self.sampling_params
+        if p.min_tokens <= 0:
+            return ()
+        return tuple(sorted(set(p.stop_token_ids) | set(self.eos_token_ids)))
+
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without building the whole list (decode steps ask for one
         token of a long prompt every step)."""

@@ -2,7 +2,8 @@
 
 Text is produced by decoding a short window of recent tokens and emitting only what is new,
 and held back while it ends in U+FFFD (a UTF-8 character split across tokens), so streamed
-text never contains a broken character.
+text never contains a broken character. As in vLLM, stop strings are looked for only once more
+than `min_tokens` output tokens were added (the first min_tokens tokens never stop).
 """
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ _CONTEXT_TOKENS = 5
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str],
-                 include_stop: bool, skip_special_tokens: bool) -> None:
+                 include_stop: bool, skip_special_tokens: bool, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
+        self.num_added = 0
         self.stop = stop
         self.include_stop = include_stop
         self.skip_special = skip_special_tokens
@@ -29,6 +32,7 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; returns the newly decodable text (may be "")."""
         self.tokens.append(token_id)
+        self.num_added += 1
         if self.tokenizer is None:
             return ""
         prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
@@ -57,7 +61,7 @@ class IncrementalDetokenizer:
     def _append(self, new: str) -> str:
         before = len(self.text)
         self.text += new
-        if self.stop:
+        if self.stop and self.num_added > self.min_tokens:
             # only the tail can complete a stop string
             window_start = max(0, before - max(len(s) for s in self.stop) + 1)
             hits = [(self.text.find(s, window_start), s) for s in self.stop]

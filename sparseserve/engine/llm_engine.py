@@ -124,7 +124,7 @@ class LLMEngine:
         for req in children:
             parent.detok[req.request_id] = IncrementalDetokenizer(
                 self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
-                params.skip_special_tokens)
+                params.skip_special_tokens, min_tokens=params.min_tokens)
             self._child_parent[req.request_id] = request_id
             self.scheduler.add_request(req)
         self._parents[request_id] = parent
@@ -228,7 +228,9 @@ class LLMEngine:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
         elif n_out >= params.min_tokens and not params.ignore_eos and tok in req.eos_token_ids:
             status = RequestStatus.FINISHED_STOPPED  # stop_reason None on EOS, as in vLLM
-        elif grammar is not None and grammar.is_stopped():  # the grammar cannot go on
+        # the grammar cannot go on: it ends the request, even before min_tokens (the output
+        # stays valid for its grammar; worker/min_tokens.py)
+        elif grammar is not None and grammar.is_stopped():
             status = RequestStatus.FINISHED_STOPPED
         elif n_out >= req.max_tokens:
             status = RequestStatus.FINISHED_LENGTH

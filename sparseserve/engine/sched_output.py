@@ -16,6 +16,9 @@ class NewRow:
     row: int
     request_id: str
     params: SamplingParams
+    # token ids the sampler forbids while the request has fewer than params.min_tokens output
+    # tokens (Request.min_tokens_stop_ids); () without min_tokens
+    min_tokens_stop_ids: tuple[int, ...] = ()
 
 
 @dataclass

@@ -146,7 +146,8 @@ class Scheduler:
             self.waiting.popleft()
             self._free_rows.pop()
             self._rows[req.request_id] = row
-            new_rows.append(NewRow(row, req.request_id, req.sampling_params))
+            new_rows.append(NewRow(row, req.request_id, req.sampling_params,
+                                   req.min_tokens_stop_ids))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chunks.append(self._make_chunk(req, n_tokens, l0, l1))

@@ -95,6 +95,7 @@ class ModelRunner:
         self.pages = PageDirectory(rows, self.num_kv_heads, self.max_blocks,
                                    cfg.cache.chunk_pages, num_ids, self.device)
         self.row_params: dict[int, SamplingParams] = {}
+        self.row_stop_ids: dict[int, tuple[int, ...]] = {}  # rows with min_tokens (NewRow)
         self.saved_hidden: dict[str, torch.Tensor] = {}  # layer-segmented prefill state
         self.sampler = Sampler(self.device, cfg.seed)
         # request id -> grammar matcher: the engine adds one per constrained request and
@@ -135,6 +136,10 @@ class ModelRunner:
             self.offload.begin_step()
         for nr in out.new_rows:
             self.row_params[nr.row] = nr.params
+            if nr.min_tokens_stop_ids:
+                self.row_stop_ids[nr.row] = nr.min_tokens_stop_ids
+            else:
+                self.row_stop_ids.pop(nr.row, None)
         if self.offload is not None and out.row_quotas is not None:
             self.offload.set_quotas(torch.from_numpy(out.row_quotas))
         self._apply_page_diffs(out.chunks)
@@ -265,11 +270,17 @@ class ModelRunner:
         """logits [N, vocab] fp32: one row per chunk with `sample`, in chunk order."""
         sampling = [c for c in chunks if c.sample]
         result = RunnerOutput(logits=logits if self.keep_logits else None)
-        batch = SamplingBatch(params=[self.row_params[c.row] for c in sampling],
+        params = [self.row_params[c.row] for c in sampling]
+        stop_ids = None
+        if self.row_stop_ids:  # rows below min_tokens may not pick a stop token yet
+            stop_ids = [self.row_stop_ids.get(c.row, ()) if c.num_output_tokens < p.min_tokens
+                        else () for c, p in zip(sampling, params)]
+        batch = SamplingBatch(params=params,
                               num_output_tokens=[c.num_output_tokens for c in sampling],
                               rows=[c.row for c in sampling],
                               grammars=[self.grammars.get(c.request_id) for c in sampling]
-                              if self.grammars else None)
+                              if self.grammars else None,
+                              stop_ids=stop_ids)
         s = self.sampler(logits, batch)
         if self.offload is not None:
             self.offload.count_working_sets()  # lands with the token copy: no extra sync
@@ -340,6 +351,7 @@ class ModelRunner:
         """Forget finished / preempted requests: their rows, saved states and page residency."""
         for row in rows:
             self.row_params.pop(row, None)
+            self.row_stop_ids.pop(row, None)
         for rid in request_ids:
             self.saved_hidden.pop(rid, None)  # finished or preempted mid-segment
         self.prompt_lp.release(request_ids)

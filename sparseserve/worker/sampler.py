@@ -1,10 +1,10 @@
 """Batched sampling on the device: logit_bias, repetition / frequency / presence penalties
-(see `penalties.py`), grammar token bitmasks (see `grammar.py`), temperature, top-k, top-p,
-min-p, seeds, logprobs.
+(see `penalties.py`), grammar token bitmasks (see `grammar.py`), min_tokens' stop-token mask
+(see `min_tokens.py`), temperature, top-k, top-p, min-p, seeds, logprobs.
 
 One pass over the whole batch; per-row parameters are tensors, so no host sync happens per
 request. Logprobs are those of the raw model distribution (vLLM's default "raw_logprobs"):
-bias, penalties and grammar masks change which token is picked, not the reported logprobs. Seeded rows draw their noise from a generator re-seeded from (seed, number of
+bias, penalties and masks change which token is picked, not the reported logprobs. Seeded rows draw their noise from a generator re-seeded from (seed, number of
 tokens generated so far), which makes a request's samples independent of batching and of
 preemption. Sampling uses the exponential-race trick: argmax(p / E), E ~ Exp(1), which
 draws exactly from p.
@@ -18,6 +18,7 @@ import torch
 
 from sparseserve.request import SamplingParams
 from sparseserve.worker.grammar import GrammarMasks
+from sparseserve.worker.min_tokens import mask_stop_tokens, stop_token_index
 from sparseserve.worker.penalties import PenaltyState, apply_logit_bias
 
 
@@ -33,6 +34,9 @@ class SamplingBatch:
     # per sampled row: its grammar matcher (llguidance.LLMatcher) or None (unconstrained).
     # The sampler only reads them; the engine advances each with the token it appends.
     grammars: list[Any] | None = None
+    # per sampled row: the token ids it may not pick now (stop_token_ids + EOS while it has
+    # generated fewer than min_tokens; () otherwise); None = no row has any
+    stop_ids: list[tuple[int, ...]] | None = None
 
 
 @dataclass
@@ -67,7 +71,8 @@ class Sampler:
         pen = [i for i, p in enumerate(params) if p.has_penalties]
         rows = batch.rows if batch.rows is not None else list(range(len(params)))
         gram = [i for i, m in enumerate(batch.grammars or ()) if m is not None]
-        if pen or gram or any(p.logit_bias for p in params):
+        stop = [i for i, ids in enumerate(batch.stop_ids or ()) if ids]
+        if pen or gram or stop or any(p.logit_bias for p in params):
             x = logits.clone()
             apply_logit_bias(x, params)
             if pen:
@@ -75,8 +80,11 @@ class Sampler:
                 self.penalties.prepare(pen_rows, [batch.num_output_tokens[i] for i in pen])
                 pen_idx = torch.tensor(pen, device=logits.device)
                 self.penalties.apply(x, pen_idx, pen_rows, [params[i] for i in pen])
-            if gram:  # last: no bias or penalty can re-allow a forbidden token
+            if gram:  # after bias and penalties: they cannot re-allow a forbidden token
                 self.grammar.apply(x, gram, [batch.grammars[i] for i in gram])
+            if stop:  # last: it keeps stop tokens only where the grammar allows nothing else
+                mask_stop_tokens(x, stop_token_index(stop, [batch.stop_ids[i] for i in stop],
+                                                     x.shape[1], x.device))
         if all(greedy):
             tokens = x.argmax(dim=-1)
         else:

@@ -36,6 +36,30 @@ def test_stop_token_ids_and_eos(smollm2_llm):
     assert len(full.token_ids) == 40 and full.finish_reason == "length"
 
 
+
+def test_min_tokens_masks_eos_stop_ids_and_stop_strings(smollm2_llm):
+    """vLLM's min_tokens: EOS and stop_token_ids cannot be sampled, and stop strings are not
+    looked for, in the first min_tokens tokens."""
+    llm = smollm2_llm
+    eos = llm.get_tokenizer().eos_token_id
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    base = llm.chat(ask, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert base.token_ids[-1] == eos
+    k = len(base.token_ids) + 3
+    longer = llm.chat(ask, SamplingParams(temperature=0, max_tokens=40, min_tokens=k))[0].outputs[0]
+    assert len(longer.token_ids) >= k and eos not in longer.token_ids[:k]
+    assert longer.token_ids[:len(base.token_ids) - 1] == base.token_ids[:-1]
+    count = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    stop_id = count.token_ids[1]
+    out = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=12, min_tokens=4,
+                                                          stop_token_ids=[stop_id]))[0].outputs[0]
+    assert stop_id not in out.token_ids[:4]
+    first = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=24,
+                                                            stop=[","]))[0].outputs[0]
+    later = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=24, stop=[","],
+                                                            min_tokens=len(first.token_ids)))[0].outputs[0]
+    assert later.finish_reason == "stop" and len(later.text) > len(first.text) and "," in later.text
+
 def test_n_samples_logprobs_and_text_consistency(smollm2_llm):
     llm = smollm2_llm
     tok = llm.get_tokenizer()

@@ -62,6 +62,29 @@ def test_regex_and_choice(smollm2_llm):
     assert all(o.text in choices for o in out.outputs)
 
 
+
+def test_min_tokens_with_a_grammar(smollm2_llm):
+    """min_tokens + grammar (worker/min_tokens.py): while the grammar can go on, EOS stays masked
+    and the output grows inside the grammar; once it can only end, the request ends ("stop")
+    before min_tokens, and the output is always valid."""
+    llm, eos = smollm2_llm, smollm2_llm.get_tokenizer().eos_token_id
+    ask = [{"role": "user", "content": "What is the capital of France? One word."}]
+    so = StructuredOutputsParams(regex="[A-Za-z]+")
+    def params(k):
+        return SamplingParams(temperature=0, max_tokens=24, min_tokens=k, structured_outputs=so)
+    base = llm.chat(ask, params(0), use_tqdm=False)[0].outputs[0]
+    assert base.finish_reason == "stop" and base.token_ids[-1] == eos  # the model ends it early
+    k = len(base.token_ids) + 2
+    longer = llm.chat(ask, params(k), use_tqdm=False)[0].outputs[0]
+    assert len(longer.token_ids) >= k and eos not in longer.token_ids[:k]
+    assert re.fullmatch("[A-Za-z]+", longer.text), longer.text
+    choice = llm.chat([{"role": "user", "content": "Is Paris in France?"}],
+                      SamplingParams(temperature=0, max_tokens=10, min_tokens=8,
+                                     structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+                      use_tqdm=False)[0].outputs[0]
+    assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
+    assert len(choice.token_ids) < 8 and not llm.engine.runner.grammars
+
 def test_lark_grammar(smollm2_llm):
     grammar = 'start: "color: " COLOR\nCOLOR: "red" | "green" | "blue"'
     out = _generate(smollm2_llm, StructuredOutputsParams(grammar=grammar))

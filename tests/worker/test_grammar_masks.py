@@ -72,3 +72,19 @@ def test_error_matcher_is_not_masked(smollm2_backend):
     assert m.is_error()
     host = GrammarMasks(torch.device("cpu")).fill([m], VOCAB)
     assert (host == -1).all()
+
+
+def test_min_tokens_keeps_eos_where_the_grammar_can_only_end(smollm2_backend):
+    """A grammar that allows only EOS and a row still below min_tokens: EOS is picked (not a
+    token the grammar forbids); an unconstrained row below min_tokens never picks EOS."""
+    backend, tok = smollm2_backend
+    m = backend.matcher(StructuredOutputsParams(regex="yes"))
+    for t in tok.encode("yes", add_special_tokens=False):
+        m.consume_token(t)
+    eos = tok.eos_token_id
+    logits = torch.randn(2, VOCAB)
+    logits[:, eos] = 30.0
+    params = [SamplingParams(temperature=0.0, min_tokens=5), SamplingParams(temperature=0.0, min_tokens=5)]
+    out = Sampler(torch.device("cpu"), 0)(logits, SamplingBatch(params, [1, 1], grammars=[m, None],
+                                                                stop_ids=[(eos,), (eos,)]))
+    assert out.token_ids.tolist()[0] == eos and out.token_ids.tolist()[1] != eos
