@@ -5,6 +5,8 @@ weights and the same engine."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import threading
 import time
 
@@ -255,9 +257,25 @@ def test_32_concurrent_streams_quarter_disconnect(real):
     assert r.choices[0].text
 
 
+CITY = {"type": "object", "required": ["city"], "additionalProperties": False,
+        "properties": {"city": {"type": "string", "maxLength": 12}}}
+# structured outputs in the soak: (path, body, check of a finished (stop) output's text)
+SOAK_STRUCTURED = [
+    ("/v1/completions", {"prompt": "Is the sky blue? Answer:", "guided_choice": ["yes", "no"]},
+     lambda text: text in ("yes", "no")),
+    ("/v1/completions", {"prompt": "A year:", "guided_regex": "[0-9]{2,4}", "min_tokens": 3},
+     lambda text: re.fullmatch("[0-9]{3,4}", text)),  # min_tokens: at least 3 digit tokens
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "A city, as JSON."}],
+                              "max_tokens": 12, "response_format": {
+                                  "type": "json_schema", "json_schema": {"name": "c", "schema": CITY}}},
+     lambda text: json.loads(text).keys() == {"city"}),
+]
+
+
 def _soak_body(i: int, model: str) -> tuple[str, dict]:
-    """Request i of the soak: completions / chat, penalties, logit_bias, echo, best_of, n."""
-    kind = i % 6
+    """Request i of the soak: completions / chat, penalties, logit_bias, echo, best_of, n,
+    min_tokens, structured outputs (choice, regex + min_tokens, JSON schema)."""
+    kind = i % 7
     body = {"model": model, "max_tokens": 6, "temperature": 0.8, "seed": i}
     if kind == 0:
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": f"Hi {i}"}],
@@ -271,12 +289,29 @@ def _soak_body(i: int, model: str) -> tuple[str, dict]:
     if kind == 4:
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "Name a colour."}]}], "logprobs": True, "top_logprobs": 2}
-    return "/v1/completions", {**body, "prompt": f"Number {i}:", "min_tokens": 2}
+    if kind == 5:
+        return "/v1/completions", {**body, "prompt": f"Number {i}:", "min_tokens": 2}
+    path, extra, _ = SOAK_STRUCTURED[(i // 7) % len(SOAK_STRUCTURED)]
+    return path, {**body, **extra}
+
+
+def _check_structured(path: str, body: dict, data: dict) -> int:
+    """A finished structured output of the soak is valid for its constraint; -> outputs checked."""
+    checked = 0
+    for path_, extra, check in SOAK_STRUCTURED:
+        if path_ == path and all(body.get(k) == v for k, v in extra.items()):
+            for c in data["choices"]:
+                text = c["text"] if "text" in c else c["message"]["content"]
+                if c["finish_reason"] == "stop":
+                    assert check(text), (extra, text)
+                    checked += 1
+    return checked
 
 
 def test_soak_300_requests_30_percent_disconnects(real, caplog):
     base, model = real["srv"].base_url, real["model"]
     caplog.set_level("WARNING")
+    checked: list[int] = []  # structured outputs validated per non-streamed request
 
     async def one(client: httpx.AsyncClient, sem: asyncio.Semaphore, i: int) -> str:
         path, body = _soak_body(i, model)
@@ -288,6 +323,7 @@ def test_soak_300_requests_30_percent_disconnects(real, caplog):
             if not stream:
                 r = await client.post(path, json=body)
                 assert r.status_code == 200, r.text
+                checked.append(_check_structured(path, body, r.json()))
                 return "ok"
             async with client.stream("POST", path, json=body) as r:
                 assert r.status_code == 200, await r.aread()
@@ -309,6 +345,7 @@ def test_soak_300_requests_30_percent_disconnects(real, caplog):
 
     results = asyncio.run(run())
     assert results.count("dropped") == 90 and results.count("ok") == 210, results
+    assert sum(checked) >= 10, checked
     deadline = time.time() + 60
     while True:
         m = metric_samples(httpx.get(base + "/metrics").text)
@@ -319,6 +356,7 @@ def test_soak_300_requests_30_percent_disconnects(real, caplog):
         assert time.time() < deadline, (free, total)
         time.sleep(0.2)
     assert metric(m, "sparseserve:kv_cache_usage_perc") == 0.0
+    assert asyncio.run(real["app"].state.engine.call(lambda e: len(e.grammars))) == 0  # no matcher left
     assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()], \
         [r.getMessage() for r in caplog.records]
 
