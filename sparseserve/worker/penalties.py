@@ -82,16 +82,13 @@ class PenaltyState:
                 self.num_recorded[row] = k
             self.pending.pop(row, None)
 
-    def apply(self, logits: torch.Tensor, batch_idx: torch.Tensor, rows: Sequence[int],
-              params: Sequence[Any]) -> None:
+    def apply(self, logits: torch.Tensor, batch_idx: torch.Tensor, state_rows: torch.Tensor,
+              values: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         """In place on logits [N, V]: penalties for the batch rows `batch_idx` [P] whose
-        state rows are `rows` (len P) and whose SamplingParams are `params`."""
-        dev = logits.device
-        state_rows = torch.tensor(list(rows), device=dev)
+        state rows are `state_rows` [P]; values = (repetition, frequency, presence) [P] each,
+        in the logits' dtype (see sampling_tensors.py)."""
+        rep, freq, pres = values
         x = logits[batch_idx]
-        rep = torch.tensor([p.repetition_penalty for p in params], device=dev, dtype=x.dtype)
-        freq = torch.tensor([p.frequency_penalty for p in params], device=dev, dtype=x.dtype)
-        pres = torch.tensor([p.presence_penalty for p in params], device=dev, dtype=x.dtype)
         seen = self.seen[state_rows]
         counts = self.counts[state_rows].to(x.dtype)
         pen = torch.where(seen, rep[:, None], torch.ones_like(x))
@@ -99,9 +96,12 @@ class PenaltyState:
         x = x - freq[:, None] * counts - pres[:, None] * (counts > 0).to(x.dtype)
         logits[batch_idx] = x
 
-    def record(self, rows: Sequence[int], sampled: torch.Tensor) -> None:
-        """After sampling: sampled [P] int64 (device) are the new output tokens of `rows`."""
-        idx = torch.tensor(list(rows), device=sampled.device)
+    def record(self, rows: Sequence[int], sampled: torch.Tensor,
+               idx: torch.Tensor | None = None) -> None:
+        """After sampling: sampled [P] int64 (device) are the new output tokens of `rows`
+        (`idx`: the same rows as a device tensor, if the caller has it)."""
+        if idx is None:
+            idx = torch.tensor(list(rows), device=sampled.device)
         self.counts.index_put_((idx, sampled), torch.ones_like(sampled, dtype=torch.int32),
                                accumulate=True)
         self.seen[idx, sampled] = True
@@ -110,22 +110,30 @@ class PenaltyState:
 
 
 def apply_logit_bias(logits: torch.Tensor, params: Sequence[Any]) -> None:
-    """In place: logits[i, t] += params[i].logit_bias[t]. Each SamplingParams caches its bias
-    as two device tensors, so a step costs one concatenation and one index_put."""
-    dev = logits.device
+    """In place: logits[i, t] += params[i].logit_bias[t] (one index_put)."""
+    index = logit_bias_index(params, logits.device, logits.dtype)
+    if index is not None:
+        logits.index_put_(index[:2], index[2], accumulate=True)
+
+
+def logit_bias_index(params: Sequence[Any], device: torch.device,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids, values) of every row's logit_bias, for one accumulating index_put;
+    None without any. Each SamplingParams caches its bias as two device tensors, so a build
+    costs one concatenation per part."""
     rows, toks, vals = [], [], []
     for i, p in enumerate(params):
         if not p.logit_bias:
             continue
         cached = getattr(p, "_logit_bias_tensors", None)
-        if cached is None or cached[0].device != dev:
-            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=dev)
-            v = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=dev)
+        if cached is None or cached[0].device != device:
+            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=device)
+            v = torch.tensor(list(p.logit_bias.values()), dtype=dtype, device=device)
             cached = (ids, v)
             object.__setattr__(p, "_logit_bias_tensors", cached)
         rows.append(torch.full_like(cached[0], i))
         toks.append(cached[0])
         vals.append(cached[1])
-    if rows:
-        logits.index_put_((torch.cat(rows), torch.cat(toks)), torch.cat(vals).to(logits.dtype),
-                          accumulate=True)
+    if not rows:
+        return None
+    return torch.cat(rows), torch.cat(toks), torch.cat(vals).to(dtype)

@@ -2,8 +2,9 @@
 (see `penalties.py`), grammar token bitmasks (see `grammar.py`), min_tokens' stop-token mask
 (see `min_tokens.py`), temperature, top-k, top-p, min-p, seeds, logprobs.
 
-One pass over the whole batch; per-row parameters are tensors, so no host sync happens per
-request. Logprobs are those of the raw model distribution (vLLM's default "raw_logprobs"):
+One pass over the whole batch; per-row parameters are tensors, built once per batch composition
+(see `sampling_tensors.py`), so no host sync happens per request and a steady decode batch
+copies no parameters. Logprobs are those of the raw model distribution (vLLM's default "raw_logprobs"):
 bias, penalties and masks change which token is picked, not the reported logprobs. Seeded rows draw their noise from a generator re-seeded from (seed, number of
 tokens generated so far), which makes a request's samples independent of batching and of
 preemption. Sampling uses the exponential-race trick: argmax(p / E), E ~ Exp(1), which
@@ -18,8 +19,9 @@ import torch
 
 from sparseserve.request import SamplingParams
 from sparseserve.worker.grammar import GrammarMasks
-from sparseserve.worker.min_tokens import mask_stop_tokens, stop_token_index
-from sparseserve.worker.penalties import PenaltyState, apply_logit_bias
+from sparseserve.worker.min_tokens import mask_stop_tokens
+from sparseserve.worker.penalties import PenaltyState
+from sparseserve.worker.sampling_tensors import SamplingTensorCache, SamplingTensors
 
 
 @dataclass
@@ -57,6 +59,7 @@ class Sampler:
 
         self.penalties = PenaltyState(device)
         self.grammar = GrammarMasks(device)
+        self.tensors = SamplingTensorCache()  # per-row parameter tensors, per composition
 
     def feed(self, fed: list[tuple[int, str, list[int]]], vocab_size: int) -> None:
         """Tokens entering the KV of rows whose request has penalties, this step:
@@ -66,33 +69,31 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [N, V] fp32 -> SamplerOutput (token_ids [N] int64 on the device)."""
         params = batch.params
-        greedy = [p.greedy for p in params]
-        x = logits
-        pen = [i for i, p in enumerate(params) if p.has_penalties]
         rows = batch.rows if batch.rows is not None else list(range(len(params)))
+        st = self.tensors.get(params, rows, batch.stop_ids, logits.shape[1], logits.dtype,
+                              logits.device)
+        x = logits
+        pen = st.pen
         gram = [i for i, m in enumerate(batch.grammars or ()) if m is not None]
-        stop = [i for i, ids in enumerate(batch.stop_ids or ()) if ids]
-        if pen or gram or stop or any(p.logit_bias for p in params):
+        if pen or gram or st.stop is not None or st.bias is not None:
             x = logits.clone()
-            apply_logit_bias(x, params)
+            if st.bias is not None:
+                x.index_put_(st.bias[:2], st.bias[2], accumulate=True)
             if pen:
-                pen_rows = [rows[i] for i in pen]
-                self.penalties.prepare(pen_rows, [batch.num_output_tokens[i] for i in pen])
-                pen_idx = torch.tensor(pen, device=logits.device)
-                self.penalties.apply(x, pen_idx, pen_rows, [params[i] for i in pen])
+                self.penalties.prepare(st.pen_rows, [batch.num_output_tokens[i] for i in pen])
+                self.penalties.apply(x, st.pen_idx, st.pen_state_rows, st.pen_values)
             if gram:  # after bias and penalties: they cannot re-allow a forbidden token
                 self.grammar.apply(x, gram, [batch.grammars[i] for i in gram])
-            if stop:  # last: it keeps stop tokens only where the grammar allows nothing else
-                mask_stop_tokens(x, stop_token_index(stop, [batch.stop_ids[i] for i in stop],
-                                                     x.shape[1], x.device))
-        if all(greedy):
+            if st.stop is not None:  # last: it keeps stop tokens only where the grammar
+                mask_stop_tokens(x, st.stop)  # allows nothing else
+        if st.all_greedy:
             tokens = x.argmax(dim=-1)
         else:
-            tokens = self._sample(x, batch, greedy)
+            tokens = self._sample(x, batch, st)
         if pen:
-            self.penalties.record(pen_rows, tokens[pen_idx])
+            self.penalties.record(st.pen_rows, tokens[st.pen_idx], st.pen_state_rows)
         out = SamplerOutput(token_ids=tokens)
-        k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        k = st.logprobs
         if k is not None:
             logp = torch.log_softmax(logits, dim=-1)
             sampled = logp.gather(1, tokens[:, None])[:, 0]
@@ -103,38 +104,29 @@ class Sampler:
         return out
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch,
-                greedy: list[bool]) -> torch.Tensor:
-        params = batch.params
-        dev = logits.device
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                             device=dev, dtype=torch.float32)
-        x = logits / temps[:, None]
-        if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
-            x = self._top_k_top_p(x, params)
+                st: SamplingTensors) -> torch.Tensor:
+        x = logits / st.temps[:, None]
+        if st.top_k is not None:
+            x = self._top_k_top_p(x, st.top_k, st.top_p)
         probs = torch.softmax(x, dim=-1)
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=torch.float32)
-            keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        if st.min_p is not None:
+            keep = probs >= st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(keep, probs, torch.zeros_like(probs))
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, p in enumerate(params):
-            if p.seed is not None and not greedy[i]:
+        for i, p in enumerate(batch.params):
+            if p.seed is not None and not p.greedy:
                 self._row_gen.manual_seed(_stream_seed(p.seed, batch.num_output_tokens[i]))
                 noise[i].exponential_(generator=self._row_gen)
         sampled = (probs / noise).argmax(dim=-1)
-        if any(greedy):
-            mask = torch.tensor(greedy, device=dev)
-            sampled = torch.where(mask, logits.argmax(dim=-1), sampled)
+        if st.greedy is not None:
+            sampled = torch.where(st.greedy, logits.argmax(dim=-1), sampled)
         return sampled
 
     @staticmethod
-    def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        dev = x.device
+    def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         vocab = x.shape[-1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32)
         sorted_x, order = x.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=dev)[None, :]
+        ranks = torch.arange(vocab, device=x.device)[None, :]
         drop = ranks >= top_k[:, None]
         probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
         # drop a token when the mass before it already reaches top_p (the first always stays)

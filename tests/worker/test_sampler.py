@@ -66,3 +66,26 @@ def test_seeded_rows_do_not_depend_on_batch():
     others = [SamplingParams(temperature=1.0)] * 3
     b = s(logits, SamplingBatch(others[:2] + [p] + others[2:], [0, 0, 5, 0])).token_ids
     assert a.item() == b[2].item()
+
+
+def test_parameter_tensors_are_built_once_per_batch_composition():
+    """A steady batch reuses its parameter tensors (sampling_tensors.py); a row crossing
+    min_tokens or a new params object rebuilds them; tokens equal a rebuild every step."""
+    from sparseserve.worker.sampling_tensors import SamplingTensorCache
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+              SamplingParams(temperature=0.0, repetition_penalty=1.2, logit_bias={3: 2.0}),
+              SamplingParams(temperature=1.0, min_p=0.1, top_k=9, presence_penalty=0.5)]
+    cached, fresh = Sampler(torch.device("cpu"), 0), Sampler(torch.device("cpu"), 0)
+    for s in (cached, fresh):
+        s.feed([(1, "b", [3, 4]), (2, "c", [5])], 50)
+    torch.manual_seed(0)
+    for step in range(6):
+        logits = torch.randn(3, 50)
+        if step == 4:
+            params = params[:2] + [SamplingParams(temperature=0.5)]
+        stop = [(), (), (7,)] if step < 2 else None
+        fresh.tensors = SamplingTensorCache()
+        a = cached(logits, SamplingBatch(params, [step] * 3, stop_ids=stop))
+        b = fresh(logits, SamplingBatch(params, [step] * 3, stop_ids=stop))
+        assert torch.equal(a.token_ids, b.token_ids)
+    assert cached.tensors.builds == 3  # steps 0, 2 (min_tokens reached), 4 (new params)
