@@ -22,6 +22,9 @@ class SamplingParams:
     * frequency_penalty f and presence_penalty p (in [-2, 2]): logit -= f * count + p * (count > 0),
       count = occurrences of the token in the output so far (not the prompt);
     * logit_bias {token id: bias}: added to the logit (values clamped to [-100, 100]).
+    min_tokens (vLLM semantics): EOS and stop_token_ids cannot be sampled, and stop strings are
+    not checked, until min_tokens tokens were generated; with structured_outputs the grammar
+    wins (a grammar that can only end ends the request earlier; see worker/min_tokens.py).
     structured_outputs (vLLM's name): a `StructuredOutputsParams` (or a dict of its fields)
     constraining the output to a JSON schema, a regex, one of some choices or a Lark grammar;
     compiled with llguidance against the model's tokenizer when the request is added.
