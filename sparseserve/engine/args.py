@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 from sparseserve.config import (HOST_CHUNK_PAGES, CacheConfig, EngineConfig, LoadConfig,
                                 ModelConfig, ParallelConfig, SchedulerConfig, SparseConfig)
+from sparseserve.engine.memory_plan import GiB, activation_bytes, gpu_memory, param_count
 from sparseserve.engine.presets import OFFLOAD_ONLY, PRESETS, apply_preset, preset_help
 
 logger = logging.getLogger("sparseserve")
 
-GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CPU_DEFAULT_KV_BYTES = 2 * GiB
 
@@ -352,57 +352,14 @@ class EngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1].")
         free, total = gpu_memory(tp)
-        weights = _param_count(mc, tp) * DTYPE_BYTES[dtype]
-        act = _activation_bytes(mc, self.max_num_batched_tokens, self.max_num_seqs, tp)
+        weights = param_count(mc, tp) * DTYPE_BYTES[dtype]
+        act = activation_bytes(mc, self.max_num_batched_tokens, self.max_num_seqs, tp)
         budget = min(free, int(total * self.gpu_memory_utilization)) - weights - act
         if budget <= 0:
             raise ValueError("No GPU memory left for the KV cache after weights and activations; "
                              "raise gpu_memory_utilization, use a smaller model or a larger "
                              "tensor_parallel_size.")
         return int(budget)
-
-
-def gpu_memory(tp: int = 1) -> tuple[int, int]:
-    """(free, total) bytes of the GPU with the least free memory among the tp ranks' GPUs
-    (CUDA devices 0..tp-1). With tp > 1 the engine process runs no model: NVML answers
-    without creating a CUDA context here; without NVML (pynvml) torch.cuda.mem_get_info
-    does, at the cost of a context on each GPU in this process."""
-    import torch
-
-    if tp == 1:
-        return torch.cuda.mem_get_info()
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        try:
-            infos = [pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(
-                torch.cuda._get_nvml_device_index(i))) for i in range(tp)]
-        finally:
-            pynvml.nvmlShutdown()
-        mems = [(int(m.free), int(m.total)) for m in infos]
-    except Exception:  # noqa: BLE001 - no NVML: ask the CUDA runtime
-        mems = [torch.cuda.mem_get_info(i) for i in range(tp)]
-    return min(f for f, _ in mems), min(t for _, t in mems)
-
-
-def _param_count(mc: ModelConfig, tp: int = 1) -> int:
-    """Parameters one of tp ranks holds (model/parallel.py): the projections split tp ways,
-    the embedding and an untied LM head ceil(vocab / tp) rows each, the norms whole."""
-    h, i, d = mc.hidden_size, mc.intermediate_size, mc.head_dim
-    attn = h * d * (2 * mc.num_attention_heads + 2 * mc.num_key_value_heads) // tp
-    layer = attn + 3 * h * i // tp + 2 * h
-    rows = -(-mc.vocab_size // tp)
-    head = 0 if mc.tie_word_embeddings else rows * h
-    return mc.num_hidden_layers * layer + rows * h + head + h
-
-
-def _activation_bytes(mc: ModelConfig, batched_tokens: int, num_seqs: int, tp: int = 1) -> int:
-    """Activations of the largest step on one rank: the hidden-size buffers (whole on every
-    rank), its 1/tp of the MLP buffers, fp32 logits of the batch (rank 0 gathers the whole
-    vocabulary, and every rank gets rank 0's page counts), plus 2 GiB of slack (CUDA context,
-    allocator, collectives' buffers)."""
-    return batched_tokens * (mc.hidden_size * 8 + mc.intermediate_size * 6 // tp) \
-        + num_seqs * mc.vocab_size * 12 + 2 * GiB
 
 
 def _resolve_dtype(dtype: str, device: str, mc: ModelConfig) -> str:

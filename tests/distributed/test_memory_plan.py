@@ -8,6 +8,7 @@ import torch
 
 from sparseserve.config import HOST_CHUNK_PAGES
 from sparseserve.engine import args as A
+from sparseserve.engine.memory_plan import param_count
 from sparseserve.engine.args import EngineArgs
 
 GiB = 1 << 30
@@ -39,9 +40,9 @@ def two_h200s(monkeypatch):
 def test_weight_shard_per_rank():
     from sparseserve.model.loader.dummy import builtin_model_config
     mc = builtin_model_config("llama-3-8b")
-    assert A._param_count(mc) == LLAMA3_8B_PARAMS
-    assert A._param_count(mc, 2) == (LLAMA3_8B_PARAMS - REPLICATED) // 2 + REPLICATED
-    assert A._param_count(mc, 4) == (LLAMA3_8B_PARAMS - REPLICATED) // 4 + REPLICATED
+    assert param_count(mc) == LLAMA3_8B_PARAMS
+    assert param_count(mc, 2) == (LLAMA3_8B_PARAMS - REPLICATED) // 2 + REPLICATED
+    assert param_count(mc, 4) == (LLAMA3_8B_PARAMS - REPLICATED) // 4 + REPLICATED
 
 
 def test_llama3_8b_on_two_gpus_per_rank_budget(two_h200s):
