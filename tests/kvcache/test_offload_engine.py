@@ -35,14 +35,12 @@ def offload_llm(model_dir, slots, **kw):
     return LLM(model_dir, **args)
 
 
-@pytest.mark.parametrize("algo", ["arkvale", "quest", "infllm"])
-@pytest.mark.parametrize("eviction", ["category-lru", "lru"])
-def test_forced_offload_equals_resident(model_dir, algo, eviction):
+def check_forced_offload_equals_resident(model_dir, algo, **kw):
+    """`algo` on 32 slots (exactly the mandatory selection of 4 requests x 2 heads x 4 pages)
+    == all resident, tokens and logprobs, with hits and misses; -> the offload LLM."""
     resident = LLM(model_dir, **dict(SPARSE, sparse_algorithm=algo)).generate(
         prompts(), PARAMS, use_tqdm=False)
-    # 32 slots = exactly the mandatory selection of 4 requests x 2 heads x 4 pages
-    llm = offload_llm(model_dir, 32, sparse_algorithm=algo, eviction=eviction,
-                      max_num_batched_tokens=48)
+    llm = offload_llm(model_dir, 32, sparse_algorithm=algo, max_num_batched_tokens=48, **kw)
     outs = llm.generate(prompts(), PARAMS, use_tqdm=False)
     for a, b in zip(outs, resident):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -51,8 +49,16 @@ def test_forced_offload_equals_resident(model_dir, algo, eviction):
                 assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4)
     stats = llm.engine.get_stats()
     assert stats["cache_misses_total"] > 0 and stats["cache_hits_total"] > 0
-    assert stats["bytes_loaded_total"] > 0 and stats["bytes_saved_total"] > 0
     llm.engine.check_invariants()
+    return llm
+
+
+@pytest.mark.parametrize("algo", ["arkvale", "quest", "infllm"])
+@pytest.mark.parametrize("eviction", ["category-lru", "lru"])
+def test_forced_offload_equals_resident(model_dir, algo, eviction):
+    llm = check_forced_offload_equals_resident(model_dir, algo, eviction=eviction)
+    stats = llm.engine.get_stats()
+    assert stats["bytes_loaded_total"] > 0 and stats["bytes_saved_total"] > 0
     assert llm.engine.num_free_pages() == llm.engine.num_total_pages()
     runner = llm.engine.runner
     assert int((runner.offload.page_of[:, :-1] >= 0).sum()) == 0, "slots still mapped"
