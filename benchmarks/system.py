@@ -68,6 +68,8 @@ def engine_kwargs(args, cfg: dict, trace: list[dict], device: str, dtype: str,
               max_model_len=-(-(longest + 1) // 512) * 512, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, **CONFIGS[name])
+    if args.enforce_eager:
+        kw["enforce_eager"] = True
     if PRESETS[kw["preset"]]["kv_offload"]:
         # every page of the trace in DRAM: tokens rounded up to whole host chunks (512 tokens)
         tokens = sum(-(-(len(t["prompt_token_ids"]) + t["max_tokens"]) // 512) * 512
@@ -190,6 +192,8 @@ def main(argv=None) -> int:
                    help="only the first N requests of the trace")
     p.add_argument("--time-budget-s", type=float, default=560)
     p.add_argument("--run-budget-s", type=float, default=200, help="cap of one configuration's run")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (debugging: a device fault then names its kernel)")
     args = p.parse_args(argv)
     names = E.parse_parts(args.configs or args.only, list(CONFIGS))
     device, dtype = E.device_and_dtype(args)

@@ -7,11 +7,18 @@ ids or -1 (empty), ``H`` a power of two >= 2 x slots (load <= 1/2). A slot's key
 stored in the table: it is ``page_of[slot]`` (the cache's reverse map, the source of truth),
 so the table is 4 bytes per entry and can never disagree with the cache about a key.
 
-There is no deletion: after the cache remaps slots, the table is rebuilt from ``page_of``
-(``rebuild``: clear + insert every mapped slot; O(slots) work, done in one kernel). Entries
-only ever go from empty to full during a build, so a key placed at position x had every
-position from its hash to x - 1 occupied, and a lookup that probes until it meets the key or
-an empty entry finds it — whatever order parallel inserts ran in.
+Entries are never deleted one by one. When a slot is remapped (a victim takes a new page), the
+new mapping is inserted (``insert_slots``, from the retrieve kernel) and the entry of the old
+page stays behind, stale: it names a slot whose key is now another page, so a lookup of the
+old page compares, moves on and ends at an empty entry — a miss, as it must be — and a lookup
+that meets it for the new page finds the right slot. Entries only ever go from empty to full
+between builds, so a key placed at position x had every position from its hash to x - 1
+occupied, and a lookup that probes until it meets the key or an empty entry finds it —
+whatever order parallel inserts ran in. ``fill [2]`` int64 counts the table's entries (live +
+stale); ``rebuild_if_full`` rebuilds from ``page_of`` (clear + insert every mapped slot: O(slots)
+work) only when they exceed half the table, so the load stays <= 1/2 (H >= 4 x slots: at least
+`slots` remaps between rebuilds) and a step with few misses pays three near-empty launches
+instead of a rebuild. ``rebuild`` rebuilds unconditionally (slots freed by the host).
 
 Triton kernels (GPU, or CPU tensors in Triton's interpreter) and torch versions with the same
 contract (the CPU engine path; the reference of the tests). No host sync in the kernels:
@@ -27,7 +34,7 @@ from . import patch_triton_interpreter
 
 patch_triton_interpreter()
 
-__all__ = ["table_size", "hash_pages", "rebuild", "lookup"]
+__all__ = ["table_size", "hash_pages", "rebuild", "rebuild_if_full", "lookup", "insert_slots"]
 
 BLOCK = 256
 _M32 = 0xFFFFFFFF
@@ -35,8 +42,9 @@ _MIX = 0x45D9F3B  # < 2**27: x * _MIX stays below 2**59 for x < 2**32 (no int64 
 
 
 def table_size(num_slots: int) -> int:
-    """Entries of one layer's table: a power of two >= 2 x num_slots (load factor <= 1/2)."""
-    return max(16, triton.next_power_of_2(2 * max(1, num_slots)))
+    """Entries of one layer's table: a power of two >= 4 x num_slots (live + stale entries are
+    kept <= 1/2 of it, so at least num_slots remaps fit between two rebuilds)."""
+    return max(16, triton.next_power_of_2(4 * max(1, num_slots)))
 
 
 def hash_pages(pages: torch.Tensor, mask: int) -> torch.Tensor:
@@ -59,13 +67,10 @@ def _hash(p, mask):
 
 
 @triton.jit
-def _rebuild_kernel(table_ptr, page_of_ptr, S, mask, BLOCK: tl.constexpr):
-    """Insert every slot s < S with page_of[s] >= 0 (the table was cleared to -1)."""
-    s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    p = tl.load(page_of_ptr + s, mask=s < S, other=-1).to(tl.int64)
-    pending = p >= 0
+def insert_slots(table_ptr, p, slot, pending, mask):
+    """Insert slot [BLOCK] int32 under page p [BLOCK] int64 for the `pending` lanes (the
+    caller counts them into fill): claim the first empty entry from the page's home."""
     pos = _hash(tl.maximum(p, 0), mask)
-    slot = s.to(tl.int32)
     while tl.max(pending.to(tl.int32), axis=0) > 0:
         # lanes not pending compare against -2, which never matches: no write
         cmp = tl.where(pending, -1, -2).to(tl.int32)
@@ -76,9 +81,48 @@ def _rebuild_kernel(table_ptr, page_of_ptr, S, mask, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _due(fill_ptr, H, FORCE: tl.constexpr):
+    """A rebuild is due: forced, or the entries (live + stale) exceed half the table."""
+    if FORCE:
+        due = tl.full((), 1, tl.int1)
+    else:
+        due = tl.load(fill_ptr) > H // 2
+    return due
+
+
+@triton.jit
+def _clear_kernel(table_ptr, fill_ptr, H, FORCE: tl.constexpr, BLOCK: tl.constexpr):
+    """table = -1 when a rebuild is due."""
+    if _due(fill_ptr, H, FORCE):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(table_ptr + i, tl.full((BLOCK,), -1, tl.int32), mask=i < H)
+
+
+@triton.jit
+def _rebuild_kernel(table_ptr, page_of_ptr, fill_ptr, S, H, mask, FORCE: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """When a rebuild is due: insert every slot s < S with page_of[s] >= 0 into the cleared
+    table; fill[1] += entries inserted."""
+    if _due(fill_ptr, H, FORCE):
+        s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        p = tl.load(page_of_ptr + s, mask=s < S, other=-1).to(tl.int64)
+        pending = p >= 0
+        tl.atomic_add(fill_ptr + 1, tl.sum(pending.to(tl.int64), axis=0))
+        insert_slots(table_ptr, p, s.to(tl.int32), pending, mask)
+
+
+@triton.jit
+def _finish_kernel(fill_ptr, H, FORCE: tl.constexpr):
+    """After a rebuild the table holds exactly the inserted entries."""
+    if _due(fill_ptr, H, FORCE):
+        tl.store(fill_ptr, tl.load(fill_ptr + 1))
+        tl.store(fill_ptr + 1, 0)
+
+
+@triton.jit
 def probe_slots(table_ptr, page_of_ptr, p, active, mask, BLOCK: tl.constexpr):
     """Slot of page p [BLOCK] int64 for the `active` lanes (-1: not resident): probe from the
-    page's home until its slot or an empty entry."""
+    page's home until its slot or an empty entry (stale entries fail the key check)."""
     pos = _hash(tl.maximum(p, 0), mask)
     res = tl.full((BLOCK,), -1, tl.int64)
     while tl.max(active.to(tl.int32), axis=0) > 0:
@@ -100,20 +144,41 @@ def _lookup_kernel(table_ptr, page_of_ptr, pages_ptr, out_ptr, N, mask, BLOCK: t
     tl.store(out_ptr + i, res, mask=i < N)
 
 
-def rebuild(table: torch.Tensor, page_of: torch.Tensor, *, backend: str | None = None) -> None:
+def rebuild(table: torch.Tensor, page_of: torch.Tensor, fill: torch.Tensor | None = None, *,
+            backend: str | None = None) -> None:
     """Rebuild one layer's table from the reverse map.
 
     table:   [H] int32, H a power of two (``table_size``); overwritten
     page_of: [S] int64  page held by each slot, -1 = free (every mapped page at most once)
+    fill:    [2] int64 or None: the table's entry count (set to the mapped slots)
     """
+    _rebuild(table, page_of, fill, True, backend)
+
+
+def rebuild_if_full(table: torch.Tensor, page_of: torch.Tensor, fill: torch.Tensor, *,
+                    backend: str | None = None) -> None:
+    """``rebuild`` only if the table's entries (fill[0], live + stale) exceed half of it;
+    decided on the device (no sync, capturable)."""
+    _rebuild(table, page_of, fill, False, backend)
+
+
+def _rebuild(table, page_of, fill, force: bool, backend: str | None) -> None:
     H = table.shape[0]
     assert H & (H - 1) == 0 and page_of.shape[0] <= H // 2
-    table.fill_(-1)
     if _backend(table, backend) == "torch":
+        table.fill_(-1)  # the CPU path rebuilds every time (no device-side branch)
         _torch_rebuild(table, page_of)
+        if fill is not None:
+            fill[0] = (page_of >= 0).sum()
+            fill[1] = 0
         return
+    if fill is None:
+        fill = torch.zeros(2, dtype=torch.int64, device=table.device)
     S = page_of.shape[0]
-    _rebuild_kernel[(triton.cdiv(S, BLOCK),)](table, page_of, S, H - 1, BLOCK=BLOCK)
+    _clear_kernel[(triton.cdiv(H, 1024),)](table, fill, H, FORCE=force, BLOCK=1024)
+    _rebuild_kernel[(triton.cdiv(S, BLOCK),)](table, page_of, fill, S, H, H - 1, FORCE=force,
+                                              BLOCK=BLOCK)
+    _finish_kernel[(1,)](fill, H, FORCE=force)
 
 
 def lookup(table: torch.Tensor, page_of: torch.Tensor, pages: torch.Tensor, *,

@@ -2,19 +2,27 @@
 
 The torch version of retrieve is ~60 small kernels per layer (masks, index_put, fills over
 the slot arrays); profiled, they were the largest part of the offloaded decode step's
-overhead. Here it is five launches plus two tiny scans, with the same contract:
+overhead. Here it is six launches plus a scan and the residency index's rebuild check, with
+the same contract:
 
 1. ``probe``: every selected entry (b, h, k < num_sel[b, h]) looks its host page up in the
    residency index (kernels/residency_hash.py); hits are touched (last_access = step) so they
-   cannot become victims; misses are flagged; hit/miss counters are bumped on the device.
-2. victim order: category LRU by a counting sort (``resident_counts`` + ``victim_keys`` here,
-   then ``bucket_order``'s place pass) — the key of kvcache/eviction.py computed in one pass
-   instead of ~15 element-wise ops. Plain LRU keeps its torch sort (the baseline).
+   cannot become victims; misses are flagged (an entry k >= fresh_from[b, h] is a page with no
+   data yet: it needs a slot, but is no miss and loads nothing); hit/miss counters are bumped
+   on the device.
+2. victim order: category LRU by a counting sort over the keys of kvcache/eviction.py
+   (``resident`` + ``victim_key``: one pass each over the slots, the second also writing each
+   program's key histogram), a scan of those histograms, then ``place``, which lays out only
+   the keys whose slots can be reached by this call's misses (the rest is never read), at
+   positions from the scan — no atomics, deterministic. Plain LRU keeps its torch sort (the baseline).
 3. ``assign``: the i-th miss (rank from a cumulative sum) takes the i-th victim: page_of,
-   last_access and owner of that slot are rewritten (what it held is unmapped with it: the
-   residency index is rebuilt from page_of afterwards).
+   last_access and owner of that slot are rewritten, the new mapping is inserted into the
+   residency index (the old one goes stale; the index rebuilds itself when full), and the
+   pages to load are written compacted (entry i - 1 for rank i), so FlashH2D loops over the
+   misses only.
 
-Fixed shapes, no host synchronisation (CUDA-graph capturable). Ids are not range-checked.
+Fixed shapes, no host synchronisation (CUDA-graph capturable). Ids are not range-checked,
+except in debug builds (TRITON_DEBUG=1: device asserts on every page, slot and position).
 """
 from __future__ import annotations
 
@@ -23,34 +31,42 @@ import triton
 import triton.language as tl
 
 from . import patch_triton_interpreter
-from .bucket_order import place_by_key
-from .residency_hash import probe_slots
+from .residency_hash import insert_slots, probe_slots, rebuild_if_full
 
 patch_triton_interpreter()
 
 BLOCK = 256
+# per-entry kernels (probe, assign): 128 entries = one per thread of 4 warps (smaller blocks
+# replicate elements across threads, and assign's atomic_cas insert must run once per entry)
+ENTRY_BLOCK = 128
 
 
 @triton.jit
-def _probe_kernel(pages_ptr, nsel_ptr, table_ptr, page_of_ptr, last_ptr, step_ptr,
+def _probe_kernel(pages_ptr, nsel_ptr, fresh_ptr, table_ptr, page_of_ptr, last_ptr, step_ptr,
                   slots_ptr, miss_ptr, cnt_ptr, N, K, mask, scratch_page, scratch_slot,
-                  BLOCK: tl.constexpr):
+                  HAS_FRESH: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     n = tl.load(nsel_ptr + i // K, mask=m, other=0)
     valid = m & ((i % K) < n)
     p = tl.load(pages_ptr + i, mask=valid, other=-1).to(tl.int64)
+    # debug builds (TRITON_DEBUG=1) check the ids the step's loads and stores will follow
+    tl.device_assert(~valid | ((p >= 0) & (p <= scratch_page)), "probe: page id out of range")
     is_scratch = valid & (p == scratch_page)
     look = valid & ~is_scratch
     slot = probe_slots(table_ptr, page_of_ptr, p, look, mask, BLOCK)
+    tl.device_assert(slot < scratch_slot, "probe: slot out of range")
     hit = look & (slot >= 0)
     miss = look & (slot < 0)
+    counted = miss
+    if HAS_FRESH:
+        counted = miss & ((i % K) < tl.load(fresh_ptr + i // K, mask=m, other=0))
     step = tl.load(step_ptr)
     tl.store(last_ptr + tl.maximum(slot, 0), tl.zeros((BLOCK,), tl.int64) + step, mask=hit)
-    tl.store(slots_ptr + i, tl.where(hit, slot, scratch_slot), mask=m)
+    tl.store(slots_ptr + i, tl.where(hit, slot, scratch_slot).to(tl.int32), mask=m)
     tl.store(miss_ptr + i, miss.to(tl.int32), mask=m)
     tl.atomic_add(cnt_ptr, tl.sum(hit.to(tl.int64), axis=0))
-    tl.atomic_add(cnt_ptr + 1, tl.sum(miss.to(tl.int64), axis=0))
+    tl.atomic_add(cnt_ptr + 1, tl.sum(counted.to(tl.int64), axis=0))
 
 
 @triton.jit
@@ -69,10 +85,11 @@ def _resident_kernel(last_ptr, owner_ptr, resident_ptr, S, R, R_PAD: tl.constexp
 
 @triton.jit
 def _victim_key_kernel(last_ptr, owner_ptr, quota_ptr, resident_ptr, step_ptr, key_ptr,
-                       counts_ptr, S, NUM_BUCKETS: tl.constexpr, KEYS_PAD: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       counts_ptr, hist_ptr, S, NUM_BUCKETS: tl.constexpr,
+                       KEYS_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """key (higher = evicted earlier): 0 used this step | 1..B in quota | B+1..2B over
-    quota | 2B+1 free (kvcache/eviction.py's layout), and its count."""
+    quota | 2B+1 free (kvcache/eviction.py's layout), its count, and this program's
+    histogram row hist[pid, :] (for place's offsets)."""
     s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = s < S
     last = tl.load(last_ptr + s, mask=ok, other=-1)
@@ -88,56 +105,140 @@ def _victim_key_kernel(last_ptr, owner_ptr, quota_ptr, resident_ptr, step_ptr, k
     tl.store(key_ptr + s, key, mask=ok)
     h = tl.histogram(key, KEYS_PAD, mask=ok)
     k = tl.arange(0, KEYS_PAD)
+    tl.store(hist_ptr + tl.program_id(0) * KEYS_PAD + k, h)
     tl.atomic_add(counts_ptr + k, h, mask=(k < 2 * NUM_BUCKETS + 2) & (h > 0))
 
 
 @triton.jit
-def _assign_kernel(pages_ptr, miss_ptr, rank_ptr, order_ptr, rows_ptr, page_of_ptr, last_ptr,
-                   owner_ptr, step_ptr, slots_ptr, load_src_ptr, N, HK, S,
+def _place_kernel(key_ptr, counts_ptr, offs_ptr, need_ptr, out_ptr, S,
+                  NUM_KEYS: tl.constexpr, KEYS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """out[first positions] = slots, highest key first, as far as the `need` (= need_ptr[0])
+    victims reach: keys from the top while their first position is < need. The program's
+    slots of key k go to above[k] + offs[pid, k] + their rank among them (offs: the slots of
+    key k in earlier programs, an exclusive scan of victim_key's histogram rows). No
+    atomics: positions are exact and deterministic. Same BLOCK as victim_key."""
+    pid = tl.program_id(0)
+    s = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = s < S
+    key = tl.load(key_ptr + s, mask=ok, other=-1)
+    kidx = tl.arange(0, KEYS_PAD)
+    counts = tl.load(counts_ptr + kidx, mask=kidx < NUM_KEYS, other=0)
+    # first position of key k when keys are laid out from the highest down
+    above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0)
+    offs = tl.load(offs_ptr + pid * KEYS_PAD + kidx)
+    need = tl.load(need_ptr)
+    kk = NUM_KEYS - 1
+    first = tl.sum(tl.where(kidx == kk, above, 0), axis=0)
+    while (kk >= 0) & (first < need):
+        mine = ok & (key == kk)
+        local = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+        base = tl.sum(tl.where(kidx == kk, offs, 0), axis=0)
+        tl.device_assert(~mine | (first + base + local < S), "place: position out of range")
+        tl.store(out_ptr + first + base + local, s.to(tl.int64), mask=mine)
+        kk -= 1
+        first = tl.sum(tl.where(kidx == kk, above, 0), axis=0)
+
+
+@triton.jit
+def _assign_kernel(pages_ptr, miss_ptr, rank_ptr, order_ptr, rows_ptr, fresh_ptr, page_of_ptr,
+                   last_ptr, owner_ptr, step_ptr, slots_ptr, load_src_ptr, load_dst_ptr,
+                   table_ptr, fill_ptr, N, K, HK, S, mask, HAS_FRESH: tl.constexpr,
                    BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     miss = m & (tl.load(miss_ptr + i, mask=m, other=0) != 0)
-    rank = tl.minimum(tl.load(rank_ptr + i, mask=miss, other=1) - 1, S - 1)
-    victim = tl.load(order_ptr + rank, mask=miss, other=0)
+    rank = tl.load(rank_ptr + i, mask=miss, other=1) - 1
+    victim = tl.load(order_ptr + tl.minimum(rank, S - 1), mask=miss, other=0)
+    tl.device_assert(~miss | ((victim >= 0) & (victim < S) & (rank >= 0)),
+                     "assign: victim out of range")
     p = tl.load(pages_ptr + i, mask=miss, other=-1).to(tl.int64)
     row = tl.load(rows_ptr + i // HK, mask=miss, other=0).to(tl.int64)
     step = tl.load(step_ptr)
+    load = miss
+    if HAS_FRESH:  # a page with no data yet gets its slot, nothing is loaded into it
+        load = miss & ((i % K) < tl.load(fresh_ptr + i // K, mask=m, other=0))
     tl.store(page_of_ptr + victim, p, mask=miss)
     tl.store(last_ptr + victim, tl.zeros((BLOCK,), tl.int64) + step, mask=miss)
     tl.store(owner_ptr + victim, row, mask=miss)
-    tl.store(slots_ptr + i, victim, mask=miss)
-    tl.store(load_src_ptr + i, tl.where(miss, p, -1), mask=m)
+    tl.store(slots_ptr + i, victim.to(tl.int32), mask=miss)
+    tl.store(load_src_ptr + rank, tl.where(load, p, -1), mask=miss)
+    tl.store(load_dst_ptr + rank, victim, mask=miss)
+    tl.atomic_add(fill_ptr, tl.sum(miss.to(tl.int64), axis=0))
+    insert_slots(table_ptr, p, victim.to(tl.int32), miss, mask)
 
 
-def category_lru_order(last_access, owner_row, row_quota, step, num_buckets: int):
-    """kvcache.eviction.victim_order(..., "category-lru") in two passes + a place pass.
-    last_access/owner_row [S] int64, row_quota [R] int64, step [] int64 -> [S] int64."""
+@triton.jit
+def _recent_kernel(last_ptr, owner_ptr, step_ptr, counts_ptr, S, stride_l, window, R,
+                   R_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """counts[layer, r] += slots of row r used within the last `window` steps (block
+    histogram, one atomic per row and program)."""
+    layer = tl.program_id(1)
+    s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = s < S
+    last = tl.load(last_ptr + layer * stride_l + s, mask=ok, other=-1)
+    step = tl.load(step_ptr)
+    recent = ok & (last > step - window) & (last >= 0) & (last <= step)
+    own = tl.load(owner_ptr + layer * stride_l + s, mask=ok, other=0).to(tl.int32)
+    h = tl.histogram(own, R_PAD, mask=recent)
+    r = tl.arange(0, R_PAD)
+    tl.atomic_add(counts_ptr + layer * R + r, h.to(tl.int64), mask=(r < R) & (h > 0))
+
+
+def recent_slots_by_row(last_access, owner_row, step, window: int, num_rows: int):
+    """Working sets: last_access/owner_row [L, S] int64 (contiguous rows of a [L, S + 1]
+    tensor are fine), step [] int64 -> [L, num_rows] int64, the slots each row used in the
+    last `window` steps, per layer."""
+    L, S = last_access.shape
+    counts = torch.zeros((L, num_rows), dtype=torch.int64, device=last_access.device)
+    _recent_kernel[(triton.cdiv(S, BLOCK), L)](
+        last_access, owner_row, step, counts, S, last_access.stride(0), window, num_rows,
+        R_PAD=triton.next_power_of_2(num_rows), BLOCK=BLOCK)
+    return counts
+
+
+def category_lru_order(last_access, owner_row, row_quota, step, num_buckets: int,
+                       need: torch.Tensor | None = None):
+    """kvcache.eviction.victim_order(..., "category-lru") in three passes.
+    last_access/owner_row [S] int64, row_quota [R] int64, step [] int64 -> [S] int64.
+    need: [1] int32 on the device or None (all S): only the first need[0] entries of the
+    order are written (the rest is undefined)."""
     S = last_access.shape[0]
     dev = last_access.device
     grid = (triton.cdiv(S, BLOCK),)
     R = row_quota.shape[0]
-    resident = torch.zeros(R, dtype=torch.int32, device=dev)
+    nk = 2 * num_buckets + 2
+    # one zeroed buffer: per-row residents, per-key counts
+    scratch = torch.zeros(R + nk, dtype=torch.int32, device=dev)
+    resident, counts = scratch[:R], scratch[R:]
     _resident_kernel[grid](last_access, owner_row, resident, S, R,
                            R_PAD=triton.next_power_of_2(R), BLOCK=BLOCK)
     key = torch.empty(S, dtype=torch.int32, device=dev)
-    counts = torch.zeros(2 * num_buckets + 2, dtype=torch.int32, device=dev)
-    _victim_key_kernel[grid](last_access, owner_row, row_quota, resident, step, key, counts, S,
-                             NUM_BUCKETS=num_buckets,
-                             KEYS_PAD=triton.next_power_of_2(2 * num_buckets + 2), BLOCK=BLOCK)
-    return place_by_key(key, counts)
+    pad = triton.next_power_of_2(nk)
+    hist = torch.empty((grid[0], pad), dtype=torch.int32, device=dev)
+    _victim_key_kernel[grid](last_access, owner_row, row_quota, resident, step, key, counts,
+                             hist, S, NUM_BUCKETS=num_buckets, KEYS_PAD=pad, BLOCK=BLOCK)
+    offs = torch.cumsum(hist, 0, dtype=torch.int32) - hist  # exclusive over programs
+    if need is None:
+        need = torch.full((1,), S, dtype=torch.int32, device=dev)
+    out = torch.empty(S, dtype=torch.int64, device=dev)
+    _place_kernel[grid](key, counts, offs, need, out, S, NUM_KEYS=nk, KEYS_PAD=pad,
+                        BLOCK=BLOCK)
+    return out
 
 
 def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota, step,
-                   counters, scratch_page: int, scratch_slot: int, policy: str,
-                   num_buckets: int):
+                   counters, table_fill, scratch_page: int, scratch_slot: int, policy: str,
+                   num_buckets: int, fresh_from=None):
     """One layer's retrieve on the GPU (see module doc).
 
     pages [B, Hkv, K] int32/int64 selected host pages; num_sel [B, Hkv] int32 valid entries;
-    rows [B] batch rows; table [H] int32 residency index; page_of/last/owner [S + 1] int64
-    (the last entry is the scratch slot); row_quota [R] int64; step [] int64; counters [2]
-    int64 (+= hits, misses). -> (slots [B, Hkv, K] int64: the slot of every valid entry,
-    the scratch slot elsewhere; load_src [N] int64: host page to load into slots[i], -1 = none).
+    rows [B] batch rows; table [H] int32 residency index, table_fill [2] int64 its entry
+    count; page_of/last/owner [S + 1] int64 (the last entry is the scratch slot); row_quota
+    [R] int64; step [] int64; counters [2] int64 (+= hits, misses); fresh_from [B, Hkv] int32
+    or None: entries k >= fresh_from[b, h] hold no data yet (no load, not counted as misses).
+    -> (slots [B, Hkv, K] int32: the slot of every valid entry, the scratch slot elsewhere;
+    load_src, load_dst [N] int64 compacted: host page (-1: nothing to load) and its slot,
+    valid below num_loads[0]; num_loads [1] int32 on the device).
     """
     from sparseserve.kvcache.eviction import victim_order
 
@@ -147,17 +248,26 @@ def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota,
     dev = pages.device
     pages = pages.contiguous()
     num_sel = num_sel.contiguous()
-    slots = torch.empty(N, dtype=torch.int64, device=dev)
+    has_fresh = fresh_from is not None
+    fresh = fresh_from.to(torch.int32).contiguous() if has_fresh else num_sel
+    slots = torch.empty(N, dtype=torch.int32, device=dev)
     miss = torch.empty(N, dtype=torch.int32, device=dev)
-    grid = (triton.cdiv(N, BLOCK),)
-    _probe_kernel[grid](pages, num_sel, table, page_of, last, step, slots, miss, counters, N, K,
-                        table.shape[0] - 1, scratch_page, scratch_slot, BLOCK=BLOCK)
+    grid = (triton.cdiv(N, ENTRY_BLOCK),)
+    mask = table.shape[0] - 1
+    _probe_kernel[grid](pages, num_sel, fresh, table, page_of, last, step, slots, miss,
+                        counters, N, K, mask, scratch_page, scratch_slot,
+                        HAS_FRESH=has_fresh, BLOCK=ENTRY_BLOCK)
+    rank = torch.cumsum(miss, 0, dtype=torch.int32)
+    num_loads = rank[-1:]
     if policy == "category-lru":
-        order = category_lru_order(last[:S], owner[:S], row_quota, step, num_buckets)
+        order = category_lru_order(last[:S], owner[:S], row_quota, step, num_buckets,
+                                   need=num_loads)
     else:
         order = victim_order(last[:S], owner[:S], row_quota, step, policy)
-    rank = torch.cumsum(miss, 0, dtype=torch.int32)
     load_src = torch.empty(N, dtype=torch.int64, device=dev)
-    _assign_kernel[grid](pages, miss, rank, order, rows.contiguous(), page_of, last, owner,
-                         step, slots, load_src, N, Hkv * K, S, BLOCK=BLOCK)
-    return slots.view(B, Hkv, K), load_src
+    load_dst = torch.empty(N, dtype=torch.int64, device=dev)
+    _assign_kernel[grid](pages, miss, rank, order, rows.contiguous(), fresh, page_of, last,
+                         owner, step, slots, load_src, load_dst, table, table_fill, N, K,
+                         Hkv * K, S, mask, HAS_FRESH=has_fresh, BLOCK=ENTRY_BLOCK)
+    rebuild_if_full(table, page_of, table_fill, backend="triton")  # also on CPU tensors (tests)
+    return slots.view(B, Hkv, K), load_src, load_dst, num_loads

@@ -42,14 +42,16 @@ _BACKENDS = (None, "auto", "triton", "torch")
 
 
 def load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, method: str = "flash", *,
-               backend: str | None = None, counter: torch.Tensor | None = None) -> int | None:
+               backend: str | None = None, counter: torch.Tensor | None = None,
+               num_live: torch.Tensor | None = None) -> int | None:
     """Copy host pages ``src_pages[i]`` into device slots ``dst_slots[i]`` (K and V of one
     layer); entries with ``src_pages[i] < 0`` are skipped and their slots left untouched.
 
     host_k/host_v [P, page_size, D]; dev_k/dev_v [S, page_size, D] (same dtype, pages
     contiguous); src_pages/dst_slots [N] int32/int64 (on dev_k's device for "flash").
     ``counter``: optional int64 [2] tensor on dev_k's device, += [pages, bytes] ("flash" only;
-    no sync). Returns the pages loaded for "memcpy" (host-side count), None for "flash".
+    no sync). ``num_live``: optional [1] int tensor on dev_k's device: only entries
+    ``< num_live[0]`` are considered (compacted lists). Returns the pages loaded for "memcpy" (host-side count), None for "flash".
     """
     if method == "flash":
         if backend not in _BACKENDS:
@@ -57,12 +59,17 @@ def load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, method: str =
         use_triton = backend == "triton" or (backend in (None, "auto") and dev_k.is_cuda)
         if use_triton:
             from .flash_h2d import flash_load_pages
-            flash_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, counter)
+            flash_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, counter,
+                             num_live)
         else:
             from .flash_h2d import torch_load_pages
-            torch_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, counter)
+            torch_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, counter,
+                             num_live)
         return None
     if method == "memcpy":
+        if num_live is not None:  # this baseline syncs anyway
+            n_live = int(num_live.reshape(-1)[0])
+            src_pages, dst_slots = src_pages[:n_live], dst_slots[:n_live]
         n = memcpy_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots)
         if counter is not None:
             counter[0] += n
@@ -92,11 +99,11 @@ class PageLoader:
             c = self._counters[device] = torch.zeros(2, dtype=torch.int64, device=device)
         return c
 
-    def load(self, host_k, host_v, dev_k, dev_v, src_pages, dst_slots) -> None:
+    def load(self, host_k, host_v, dev_k, dev_v, src_pages, dst_slots, num_live=None) -> None:
         """Capturable for method "flash" on CUDA once the counter exists (first call)."""
         self.calls += 1
         load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, self.method,
-                   backend=self.backend, counter=self.counter(dev_k.device))
+                   backend=self.backend, counter=self.counter(dev_k.device), num_live=num_live)
 
     def stats(self) -> TransferStats:
         pages = nbytes = 0

@@ -4,8 +4,9 @@ Grid ``(N, 2)``: program ``(i, 0)`` copies the K page ``src_pages[i]`` of the ho
 slot ``dst_slots[i]`` of the device tier, program ``(i, 1)`` the V page. Each program streams
 its ``page_size * head_dim`` contiguous elements in vectorised blocks (an integer view of the
 data, so copies are bit-exact for any dtype). Entries with ``src_pages[i] < 0`` are skipped
-(misses are masked, not compacted). Fixed grid, no host synchronisation: capturable in a CUDA
-graph once compiled (call it once before capture).
+(masked); with ``num_live`` (a device count of a compacted list) programs past it return at
+once. Fixed grid, no host synchronisation: capturable in a CUDA graph once compiled (call it
+once before capture).
 
 On a GPU the host tensors are passed to the kernel as they are: the pointer of page-locked
 memory (``pin_memory=True``) is valid on the device under unified virtual addressing, so the
@@ -40,33 +41,39 @@ def _copy_page(src, dst, live, PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _flash_h2d_kernel(
-    hk_ptr, hv_ptr, dk_ptr, dv_ptr, src_ptr, dst_ptr, cnt_ptr,
+    hk_ptr, hv_ptr, dk_ptr, dv_ptr, src_ptr, dst_ptr, cnt_ptr, live_ptr, N, NUM_SRC, NUM_DST,
     stride_hk, stride_hv, stride_dk, stride_dv,
     PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr,
-    PAGE_BYTES: tl.constexpr, HAS_COUNTER: tl.constexpr,
+    PAGE_BYTES: tl.constexpr, HAS_COUNTER: tl.constexpr, HAS_NUM_LIVE: tl.constexpr,
 ):
     i = tl.program_id(0)
     kv = tl.program_id(1)
-    src = tl.load(src_ptr + i).to(tl.int64)
-    dst = tl.load(dst_ptr + i).to(tl.int64)
-    live = src >= 0
-    # masked (not branched) so a skipped entry costs one predicated-off pass, nothing else
-    src = tl.maximum(src, 0)
-    dst = tl.maximum(dst, 0)
-    if kv == 0:
-        _copy_page(hk_ptr + src * stride_hk, dk_ptr + dst * stride_dk, live,
-                   PAGE_ELEMS, BLOCK)
-        if HAS_COUNTER:
-            # [pages, bytes]; K and V of a page count as one page
-            tl.atomic_add(cnt_ptr, live.to(tl.int64))
-            tl.atomic_add(cnt_ptr + 1, live.to(tl.int64) * (2 * PAGE_BYTES))
-    else:
-        _copy_page(hv_ptr + src * stride_hv, dv_ptr + dst * stride_dv, live,
-                   PAGE_ELEMS, BLOCK)
+    n = N
+    if HAS_NUM_LIVE:  # compacted lists: only the first num_live entries can be live
+        n = tl.minimum(tl.load(live_ptr).to(tl.int32), N)
+    if i < n:  # past the live prefix a program returns after one load
+        src = tl.load(src_ptr + i).to(tl.int64)
+        dst = tl.load(dst_ptr + i).to(tl.int64)
+        live = src >= 0
+        tl.device_assert(~live | ((src < NUM_SRC) & (dst >= 0) & (dst < NUM_DST)),
+                         "flash_h2d: page or slot out of range")
+        # masked (not branched) so a skipped entry costs one predicated-off pass, nothing else
+        src = tl.maximum(src, 0)
+        dst = tl.maximum(dst, 0)
+        if kv == 0:
+            _copy_page(hk_ptr + src * stride_hk, dk_ptr + dst * stride_dk, live,
+                       PAGE_ELEMS, BLOCK)
+            if HAS_COUNTER:
+                # [pages, bytes]; K and V of a page count as one page
+                tl.atomic_add(cnt_ptr, live.to(tl.int64))
+                tl.atomic_add(cnt_ptr + 1, live.to(tl.int64) * (2 * PAGE_BYTES))
+        else:
+            _copy_page(hv_ptr + src * stride_hv, dv_ptr + dst * stride_dv, live,
+                       PAGE_ELEMS, BLOCK)
 
 
-def flash_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, counter=None, *,
-                     block_bytes: int = DEFAULT_BLOCK_BYTES, num_warps: int | None = None) -> None:
+def flash_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, counter=None,
+                     num_live=None, *, block_bytes: int = DEFAULT_BLOCK_BYTES, num_warps: int | None = None) -> None:
     """Load host pages into device slots with one Triton kernel (see module doc).
 
     Args:
@@ -75,9 +82,13 @@ def flash_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, counter
         src_pages:      [N] int32/int64    host page ids on dev_k's device; < 0 = skip
         dst_slots:      [N] int32/int64    device slots, same device; unique among live entries
         counter:        [2] int64 or None  on dev_k's device: += [pages loaded, bytes loaded]
+        num_live:       [1] int or None    on dev_k's device: only entries < num_live[0] are
+                                           considered (compacted lists whose length is known
+                                           on the device only); programs past it return
         block_bytes:    bytes a program moves per loop iteration (tuning knob)
         num_warps:      warps per program (default: 4 up to 8 KB blocks, else 8)
-    Ids are not range-checked (no host sync): the caller guarantees 0 <= src < P, dst < S.
+    Ids are not range-checked (no host sync): the caller guarantees 0 <= src < P, dst < S
+    (debug builds, TRITON_DEBUG=1, assert it on the device).
     Runs on the current stream.
     """
     page_size, head_dim = check_page_tensors(host_k, host_v, dev_k, dev_v)
@@ -99,10 +110,13 @@ def flash_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, counter
     if has_counter:
         assert counter.dtype == torch.int64 and counter.numel() >= 2 and counter.device == dev
     cnt = counter if has_counter else src_pages
+    has_live = num_live is not None
     launch = _flash_h2d_kernel[(N, 2)]
-    args = (hk, hv, dk, dv, src_pages, dst_slots, cnt,
+    args = (hk, hv, dk, dv, src_pages, dst_slots, cnt, num_live if has_live else src_pages, N,
+            hk.shape[0], dk.shape[0],
             hk.stride(0), hv.stride(0), dk.stride(0), dv.stride(0))
-    kw = dict(PAGE_ELEMS=page_elems, BLOCK=block, PAGE_BYTES=page_elems * esz, HAS_COUNTER=has_counter, num_warps=num_warps)
+    kw = dict(PAGE_ELEMS=page_elems, BLOCK=block, PAGE_BYTES=page_elems * esz,
+              HAS_COUNTER=has_counter, HAS_NUM_LIVE=has_live, num_warps=num_warps)
     if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
         with torch.cuda.device(dev):
             launch(*args, **kw)
@@ -110,13 +124,16 @@ def flash_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, counter
         launch(*args, **kw)
 
 
-def torch_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, counter=None) -> None:
+def torch_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, counter=None,
+                     num_live=None) -> None:
     """Same contract as ``flash_load_pages`` with torch indexing (compacts the live entries:
     on CUDA this syncs, so it is meant for CPU tiers). Ids are range-checked by torch."""
     check_page_tensors(host_k, host_v, dev_k, dev_v)
     if dst_slots.shape != src_pages.shape or src_pages.dim() != 1:
         raise ValueError("src_pages and dst_slots must be 1-D of the same length")
     live = src_pages >= 0
+    if num_live is not None:
+        live &= torch.arange(live.shape[0], device=live.device) < num_live.to(live.device)
     src = src_pages[live].to(host_k.device, torch.int64)
     dst = dst_slots[live].to(dev_k.device, torch.int64)
     for h, d in ((host_k, dev_k), (host_v, dev_v)):

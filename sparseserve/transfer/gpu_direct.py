@@ -23,7 +23,7 @@ __all__ = ["gpu_direct_save", "GpuDirectSaver"]
 
 @triton.jit
 def _gpu_direct_kernel(
-    k_ptr, v_ptr, hk_ptr, hv_ptr, pages_ptr, offs_ptr, T,
+    k_ptr, v_ptr, hk_ptr, hv_ptr, pages_ptr, offs_ptr, T, P,
     s_kt, s_kh, s_vt, s_vh, s_hkp, s_hkt, s_hvp, s_hvt, s_pt, s_ph, s_ot, s_oh,
     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -34,6 +34,7 @@ def _gpu_direct_kernel(
     page = tl.load(pages_ptr + t * s_pt + h * s_ph, mask=t_ok, other=-1).to(tl.int64)
     off = tl.load(offs_ptr + t * s_ot + h * s_oh, mask=t_ok, other=0).to(tl.int64)
     live = t_ok & (page >= 0)
+    tl.device_assert(~live | (page < P), "gpu_direct: page out of range")
     page = tl.maximum(page, 0)
     d = tl.arange(0, BLOCK_D)
     m = live[:, None] & (d < D)[None, :]
@@ -56,7 +57,7 @@ def gpu_direct_save(host_k, host_v, k_new, v_new, pages, offsets, *, block_t: in
     hk, hv, k, v = (bits_view(x) for x in (host_k, host_v, k_new, v_new))
     assert k.stride(2) == 1 and v.stride(2) == 1 and hk.stride(2) == 1 and hv.stride(2) == 1
     grid = (triton.cdiv(T, block_t), H)
-    args = (k, v, hk, hv, pages, offsets, T,
+    args = (k, v, hk, hv, pages, offsets, T, hk.shape[0],
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             hk.stride(0), hk.stride(1), hv.stride(0), hv.stride(1),
             pages.stride(0), pages.stride(1), offsets.stride(0), offsets.stride(1))

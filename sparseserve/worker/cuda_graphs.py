@@ -67,9 +67,10 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            rows: torch.Tensor) -> torch.Tensor:
-        """-> logits [n, vocab] (a view into the graph's static output)."""
+    def stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+              rows: torch.Tensor) -> int:
+        """Copy a decode batch [n] into the static inputs, padding lanes pointed at the
+        scratch row; -> the bucket b whose graph (or `_forward(b)`) runs it."""
         n = input_ids.shape[0]
         b = self.bucket(n)
         self.input_ids[:n].copy_(input_ids)
@@ -78,5 +79,11 @@ class DecodeGraphs:
         if b > n:
             self.positions[n:b].zero_()
             self.rows[n:b].fill_(self.runner.scratch_row)
+        return b
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            rows: torch.Tensor) -> torch.Tensor:
+        """-> logits [n, vocab] (a view into the graph's static output)."""
+        b = self.stage(input_ids, positions, rows)
         self.graphs[b].replay()
-        return self.logits[b][:n]
+        return self.logits[b][:input_ids.shape[0]]

@@ -80,6 +80,8 @@ class TwoTierCache:
         self.page_of = torch.full((num_layers, s1), -1, dtype=torch.long, device=device)
         self.res_table = torch.full((num_layers, residency_hash.table_size(s1)), -1,
                                     dtype=torch.int32, device=device)
+        # entries (live + stale) of each layer's index, and a rebuild's count: [L, 2]
+        self.res_fill = torch.zeros((num_layers, 2), dtype=torch.long, device=device)
         self.last_access = torch.full((num_layers, s1), -1, dtype=torch.long, device=device)
         self.owner = torch.full((num_layers, s1), num_rows, dtype=torch.long, device=device)
         # elastic buffer: per-row quota of resident slots per layer (scheduler-settable)
@@ -94,6 +96,9 @@ class TwoTierCache:
         self._ws_host = torch.zeros(num_rows + 1, dtype=torch.long,
                                     pin_memory=device.type == "cuda")
         self.loader = PageLoader(cache.h2d_method)
+        # retrieve through the fused Triton kernels (GPU); tests set it on CPU tensors too,
+        # which runs them in Triton's interpreter
+        self.fused = device.type == "cuda"
         kw = {}
         if cache.d2h_method == "flash" and device.type == "cuda":
             # two steps of prefill saves in flight (the fence lags one step), 8 scatter threads
@@ -137,7 +142,8 @@ class TwoTierCache:
             self.page_of[layer, slots] = -1
             self.last_access[layer, slots] = -1
             self.owner[layer, slots] = self.scratch_row
-            residency_hash.rebuild(self.res_table[layer], self.page_of[layer])
+            residency_hash.rebuild(self.res_table[layer], self.page_of[layer],
+                                   self.res_fill[layer])
 
     def slot_of(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
         """Slot holding each host page [N] (-1: not resident); the scratch page always maps
@@ -161,11 +167,15 @@ class TwoTierCache:
         """Start counting each row's working set: slots it owns that were used in the last
         `window` steps, per layer, max over layers -> a pinned host buffer, copied without a
         sync (valid once the step's token copy has synchronised; see `working_sets`)."""
-        last = self.last_access[:, :-1]
-        recent = (last > self.step - self.window) & (last >= 0) & (last <= self.step)
-        counts = torch.zeros((self.num_layers, self.num_rows + 1), dtype=torch.long,
-                             device=self.last_access.device)
-        counts.scatter_add_(1, self.owner[:, :-1], recent.long())
+        last, own = self.last_access[:, :-1], self.owner[:, :-1]
+        if last.is_cuda:  # one pass over every layer's slots
+            from sparseserve.kernels.retrieve import recent_slots_by_row
+            counts = recent_slots_by_row(last, own, self.step, self.window, self.num_rows + 1)
+        else:
+            recent = (last > self.step - self.window) & (last >= 0) & (last <= self.step)
+            counts = torch.zeros((self.num_layers, self.num_rows + 1), dtype=torch.long,
+                                 device=last.device)
+            counts.scatter_add_(1, own, recent.long())
         self._ws_host.copy_(counts.amax(0), non_blocking=True)
 
     def working_sets(self) -> np.ndarray:
@@ -198,8 +208,10 @@ class TwoTierCache:
         """host[pages[t, h], offsets[t]] = k/v[t, h] on the device's stream. k/v [T, Hkv, D];
         pages [T, Hkv] host ids; offsets [T, 1]."""
         hk, hv = self.host_k[layer], self.host_v[layer]
-        # a device counter, so replays of a captured step count too
-        self.direct_bytes_saved += 2 * k.numel() * k.element_size()
+        # a device counter, so replays of a captured step count too; once per step (every
+        # layer writes the same rows)
+        if layer == 0:
+            self.direct_bytes_saved += 2 * k.numel() * k.element_size() * self.num_layers
         if k.is_cuda:
             from sparseserve.transfer.gpu_direct import gpu_direct_save
             gpu_direct_save(hk, hv, k, v, pages, offsets.expand(pages.shape))
@@ -209,42 +221,40 @@ class TwoTierCache:
 
     # ---- retrieve -------------------------------------------------------------------------
     def retrieve(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor,
-                 rows: torch.Tensor, fresh: torch.Tensor | None = None,
+                 rows: torch.Tensor, fresh_from: torch.Tensor | None = None,
                  prefill: bool = False) -> torch.Tensor:
         """Map selected host pages to device slots, loading the misses.
 
         pages [B, Hkv, K] host page ids; num_sel [B, Hkv] int (valid entries of each row of
-        the selection); rows [B] batch rows. Returns slots [B, Hkv, K] (scratch slot where
-        not valid). `fresh` [B, Hkv, K] bool: pages that hold no data yet (a page this step
-        starts) — a miss gets a slot but nothing is loaded for it. `prefill`: count hits and
-        misses apart from decode's (a prefill mapping its own pages).
+        the selection); rows [B] batch rows. Returns slots [B, Hkv, K] int (int32 on the
+        fused path; the scratch slot where not valid). `fresh_from` [B, Hkv] int: entries
+        k >= fresh_from[b, h] are pages that hold no data yet (a page this step starts) — a
+        miss gets a slot but nothing is loaded for it, and it is not counted as a miss.
+        `prefill`: count hits and misses apart from decode's (a prefill mapping its own pages).
         On a GPU the bookkeeping is fused (kernels/retrieve.py); the torch version below is
         the CPU path and the reference."""
         counter = self.prefill_hit_miss if prefill else self.hit_miss
-        if pages.is_cuda:
-            return self._retrieve_fused(layer, pages, num_sel, rows, fresh, counter)
+        if self.fused:
+            return self._retrieve_fused(layer, pages, num_sel, rows, fresh_from, counter)
         K = pages.shape[2]
-        valid = torch.arange(K, device=pages.device).view(1, 1, K) < num_sel.unsqueeze(-1)
+        k = torch.arange(K, device=pages.device).view(1, 1, K)
+        valid = k < num_sel.unsqueeze(-1)
+        fresh = None if fresh_from is None else k >= fresh_from.unsqueeze(-1)
         return self._retrieve_torch(layer, pages, valid, rows, fresh, counter)
 
     def _retrieve_fused(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor,
-                        rows: torch.Tensor, fresh: torch.Tensor | None,
+                        rows: torch.Tensor, fresh_from: torch.Tensor | None,
                         counter: torch.Tensor) -> torch.Tensor:
         """retrieve with the fused kernels (GPU; CPU tensors run them in the interpreter)."""
         from sparseserve.kernels.retrieve import fused_retrieve
         from sparseserve.kvcache.eviction import NUM_BUCKETS
-        slots, load_src = fused_retrieve(
+        slots, load_src, load_dst, num_loads = fused_retrieve(
             pages, num_sel, rows, self.res_table[layer], self.page_of[layer],
             self.last_access[layer], self.owner[layer], self.row_quota, self.step,
-            counter, self.scratch_page, self.scratch_slot, self.policy, NUM_BUCKETS)
-        # Triton also on CPU tensors (the interpreter, in tests)
-        residency_hash.rebuild(self.res_table[layer], self.page_of[layer], backend="triton")
-        if fresh is not None:  # a page that starts now is no miss: nothing to load
-            starts = fresh.reshape(-1) & (load_src >= 0)
-            counter[1:].sub_(starts.sum().view(1))
-            load_src = torch.where(starts, -1, load_src)
+            counter, self.res_fill[layer], self.scratch_page, self.scratch_slot, self.policy,
+            NUM_BUCKETS, fresh_from)
         self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
-                         self.dev_v[layer], load_src, slots.view(-1))
+                         self.dev_v[layer], load_src, load_dst, num_live=num_loads)
         return slots
 
     def _retrieve_torch(self, layer: int, pages: torch.Tensor, valid: torch.Tensor,
@@ -276,7 +286,7 @@ class TwoTierCache:
         own.index_put_((victim,), torch.where(miss, owner, self.scratch_row))
         # fill_ on a view, not `x[i] = v` (that copies a CPU scalar tensor: not capturable)
         page_of[self.scratch_slot].fill_(-1)
-        residency_hash.rebuild(self.res_table[layer], page_of)
+        residency_hash.rebuild(self.res_table[layer], page_of, self.res_fill[layer])
         self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
                          self.dev_v[layer], torch.where(load, pages, -1), victim)
         return torch.where(hit, slots, victim).reshape(shape)
@@ -302,7 +312,8 @@ class TwoTierCache:
     def check_invariants(self) -> None:
         """The residency index and the reverse map agree (tests; reads the device): every
         mapped slot is found from its page, no page is mapped twice, the scratch slot holds
-        nothing, and the index has exactly one entry per mapped slot."""
+        nothing, and the index's entry count (live + stale) is what `res_fill` says, at least
+        one per mapped slot and at most half the table."""
         for layer in range(self.num_layers):
             page_of = self.page_of[layer]
             assert int(page_of[self.scratch_slot]) == -1, "scratch slot mapped"
@@ -311,7 +322,9 @@ class TwoTierCache:
             assert pages.unique().numel() == pages.numel(), "page mapped to two slots"
             found = self.slot_of(layer, pages)
             assert torch.equal(found, mapped), "residency index disagrees with page_of"
-            assert int((self.res_table[layer] >= 0).sum()) == mapped.numel()
+            entries = int((self.res_table[layer] >= 0).sum())
+            assert entries == int(self.res_fill[layer, 0]), "index entry count drifted"
+            assert mapped.numel() <= entries <= self.res_table.shape[1] // 2
 
     def close(self) -> None:
         self.wait_saves()

@@ -53,61 +53,76 @@ class OffloadForwardContext(ForwardContext):
 
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 summaries: LayerSummaries) -> torch.Tensor:
+        from sparseserve.kernels.slot_store import store_decode_tokens
         cache = self.cache
         sel = self.sparse.algorithm.select(q, self.dec_page_table, self.dec_num_pages,
                                            self.dec_last_len, summaries, None)
         if self.on_select is not None:
             self.on_select(layer, q, sel, self)
+        # a token that starts a page: the selection's last entry (its page) has no data yet
+        fresh_from = torch.where(self._decode_plan()["starts"], sel.num_pages - 1,
+                                 sel.page_table.shape[2])
         slots = cache.retrieve(layer, sel.page_table, sel.num_pages, self.dec_rows,
-                               fresh=self._decode_fresh(sel.page_table.shape[2], sel.num_pages))
-        # the token's page is the selection's last entry, now resident
-        last_slot = slots.gather(2, (sel.num_pages.long() - 1).unsqueeze(-1))[..., 0]  # [B, Hkv]
+                               fresh_from=fresh_from)
         dev_k, dev_v = cache.dev_k[layer], cache.dev_v[layer]
-        offs = self.store_offsets[:q.shape[0]]
-        dev_k[last_slot, offs] = k
-        dev_v[last_slot, offs] = v
+        # the token's page is the selection's last entry, now resident: store the token there
+        last_slot = store_decode_tokens(slots, sel.num_pages, self.store_offsets[:q.shape[0]]
+                                        .view(-1), k, v, dev_k, dev_v)  # [B, Hkv]
         self._index_decode_fills(layer, q, last_slot, summaries)
         return paged_decode_attention(q, dev_k, dev_v, slots.to(torch.int32), sel.num_pages,
                                       sel.last_page_len, self.scale)
 
-    def _decode_fresh(self, width: int, num_sel: torch.Tensor) -> torch.Tensor:
-        """[B, Hkv, K] bool: the selection's last entry when this token starts a new page
-        (nothing to load for it)."""
-        starts = ((self.dec_seq_lens - 1) % self.kv.page_size == 0).view(-1, 1, 1)
-        last = torch.arange(width, device=num_sel.device).view(1, 1, -1) == (
-            num_sel.long() - 1).unsqueeze(-1)
-        return last & starts
+    def _decode_plan(self) -> dict[str, torch.Tensor]:
+        """What the decode rows' bookkeeping needs that depends on positions only: computed
+        at the first layer, reused by the others (fewer launches per layer).
+        starts [B, 1] bool: the token starts a page; and for indexing the pages that fill:
+        read [B*Hkv] int32 (entry i reads gathered page i, -1: no fill), host_ids [B*Hkv] int64
+        (where the summary goes; the scratch page when no fill), ntok [B*Hkv] int32."""
+        plan = getattr(self, "_plan", None)
+        if plan is None:
+            ps = self.kv.page_size
+            nd, hkv = self.num_decode, self.pages.num_kv_heads
+            n = nd * hkv
+            fills = ((self.dec_seq_lens % ps) == 0)[:, None].expand(nd, hkv).reshape(-1)
+            plan = self._plan = {
+                "starts": ((self.dec_seq_lens - 1) % ps == 0)[:, None],
+                "read": torch.where(fills, torch.arange(n, device=fills.device, dtype=torch.int32),
+                                    -1),
+                "host_ids": torch.where(fills, self.store_pages[:nd].reshape(-1),
+                                        self.cache.scratch_page).long(),
+                "ntok": torch.full((n,), ps, dtype=torch.int32, device=fills.device),
+            }
+        return plan
 
     def _index_decode_fills(self, layer: int, q: torch.Tensor, last_slot: torch.Tensor,
                             summaries: LayerSummaries) -> None:
         """Pages this decode step filled: summarise from their slot, store at the host id."""
         nd, hkv = last_slot.shape
-        fills = ((self.dec_seq_lens % self.kv.page_size) == 0)[:, None].expand(nd, hkv)
-        n = nd * hkv
-        # gather the n candidate pages, so the scratch table has n + 1 rows, not one per slot
+        plan = self._decode_plan()
+        # gather the n candidate pages, so the scratch table has n rows, not one per slot
         pages_k = self.cache.dev_k[layer][last_slot.reshape(-1)]  # [n, page_size, D]
-        read = torch.where(fills.reshape(-1), torch.arange(n, device=q.device), -1)
-        host_ids = torch.where(fills, self.store_pages[:nd], self.cache.scratch_page).reshape(-1)
-        queries = q.float().view(nd, hkv, -1, q.shape[-1]).reshape(n, -1, q.shape[-1])
-        self._index_via_scratch(pages_k, read.to(torch.int32), host_ids, summaries, queries,
-                                n + 1)
+        queries = None
+        if self.sparse.algorithm.uses_queries:
+            queries = q.float().view(nd, hkv, -1, q.shape[-1]).reshape(nd * hkv, -1, q.shape[-1])
+        self._index_via_scratch(pages_k, plan["read"], plan["host_ids"], plan["ntok"],
+                                summaries, queries)
 
     def _index_via_scratch(self, k_pages: torch.Tensor, read_ids: torch.Tensor,
-                           host_ids: torch.Tensor, summaries: LayerSummaries,
-                           queries: torch.Tensor | None, rows: int) -> None:
-        """index() reads and writes the same row ids; here pages are read at `read_ids` of
-        k_pages and their summaries belong at `host_ids`, so go through a scratch table."""
-        scratch = LayerSummaries({n: torch.zeros((rows, t.shape[1]), dtype=t.dtype,
-                                                 device=t.device)
-                                  for n, t in summaries.tensors.items()})
+                           host_ids: torch.Tensor, ntok: torch.Tensor,
+                           summaries: LayerSummaries, queries: torch.Tensor | None) -> None:
+        """index() reads and writes the same row ids; here page i of k_pages [n, ps, D] is
+        summarised (read_ids[i] = i, or -1: skipped) and its summary belongs at host_ids[i]
+        [n] int64 (the scratch page for skipped entries), so go through a scratch table:
+        one zeroed buffer for all summary tensors, one index_copy_ each, one zeroing of the
+        scratch page's rows (skipped entries all land there)."""
+        n = read_ids.shape[0]
+        tensors = summaries.tensors
+        scratch = LayerSummaries(_zeros_like_rows(tensors, n), summaries.shapes)
         algo = self.sparse.algorithm
-        ntok = torch.full_like(read_ids, self.kv.page_size)
         algo.index(k_pages, read_ids, ntok, scratch, queries if algo.uses_queries else None)
-        src = torch.where(read_ids >= 0, read_ids.long(), rows - 1)
-        for name, t in summaries.tensors.items():
-            t[host_ids.long()] = scratch[name][src]
-        for t in summaries.tensors.values():
-            t[self.cache.scratch_page].zero_()  # in place on a view: capturable
+        for name, t in tensors.items():
+            t.index_copy_(0, host_ids, scratch[name])
+        torch._foreach_zero_([t[self.cache.scratch_page] for t in tensors.values()])
 
     def _offload_prefill(self, layer: int, p: PrefillSeq, q: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor, summaries: LayerSummaries) -> torch.Tensor:
@@ -125,12 +140,11 @@ class OffloadForwardContext(ForwardContext):
         pages = self.pages.row_range(p.row, 0, nb)  # [Hkv, nb] host pages
         hkv = pages.shape[0]
         dev = q.device
-        blocks = torch.arange(nb, device=dev)
-        fresh = (blocks * ps >= p.start).view(1, 1, nb).expand(1, hkv, nb)  # no data yet
         num = torch.full((1, hkv), nb, dtype=torch.int32, device=dev)
+        fresh_from = torch.full_like(num, -(-p.start // ps))  # pages from here: no data yet
         row = torch.full((1,), p.row, dtype=torch.long, device=dev)
-        slots = cache.retrieve(layer, pages.unsqueeze(0), num, row, fresh=fresh,
-                               prefill=True)[0]  # [Hkv, nb]
+        slots = cache.retrieve(layer, pages.unsqueeze(0), num, row, fresh_from=fresh_from,
+                               prefill=True)[0].long()  # [Hkv, nb]
         cache.mark_saved(layer, slots)
         pos = torch.arange(p.start, total, device=dev)
         tok_slots = slots[:, torch.div(pos, ps, rounding_mode="floor")]  # [Hkv, n]
@@ -153,5 +167,21 @@ class OffloadForwardContext(ForwardContext):
             queries = qf.view(nf, hkv, -1, qf.shape[-1]).transpose(0, 1).reshape(
                 hkv * nf, -1, qf.shape[-1])
             read = torch.arange(hkv * nf, device=dev, dtype=torch.int32)
-            self._index_via_scratch(pages_k, read, host_ids, summaries, queries, hkv * nf + 1)
+            self._index_via_scratch(pages_k, read, host_ids.long(), torch.full_like(read, ps),
+                                    summaries, queries)
         return self._sdpa(q[p.q_start:p.q_end].transpose(0, 1), ks, vs, p.start)
+
+
+def _zeros_like_rows(tensors: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    """Zeroed [n, width] tensors shaped like each summary's rows, carved out of one buffer per
+    dtype (one fill launch instead of one per summary); each is contiguous."""
+    out: dict[str, torch.Tensor] = {}
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, t in tensors.items():
+        by_dtype.setdefault(t.dtype, []).append(name)
+    for dtype, names in by_dtype.items():
+        sizes = [n * tensors[m].shape[1] for m in names]
+        flat = torch.zeros(sum(sizes), dtype=dtype, device=tensors[names[0]].device)
+        for m, part in zip(names, flat.split(sizes)):
+            out[m] = part.view(n, tensors[m].shape[1])
+    return out

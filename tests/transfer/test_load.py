@@ -109,3 +109,16 @@ def test_bad_arguments():
         load_pages(hk, hv, dk.to(torch.float16), dv.to(torch.float16), src, dst, "memcpy")
     with pytest.raises(ValueError):
         load_pages(hk, hv, dk, dv, src, dst, "dma")
+
+
+@pytest.mark.parametrize("method,backend", METHODS)
+@pytest.mark.parametrize("N,live", [(1, 0), (17, 1), (97, 54), (97, 97), (4097, 4096)])
+def test_load_pages_num_live_reads_only_the_compacted_prefix(method, backend, N, live):
+    """Compacted lists (retrieve's loads): entries past num_live[0] are never read, even if
+    they hold valid ids; the kernel's fixed grid loops over the live prefix."""
+    hk, hv, dk, dv, src, dst = _case(N, 16, 32, torch.bfloat16, seed=N + live, masked_frac=0.1)
+    ek, ev = _expected(hk, hv, dk, dv, src[:live], dst[:live])
+    num_live = torch.tensor([live], dtype=torch.int32, device=DEV)
+    load_pages(hk, hv, dk, dv, src, dst, method, backend=backend, num_live=num_live)
+    sync()
+    assert same_bits(dk, ek) and same_bits(dv, ev)

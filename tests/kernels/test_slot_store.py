@@ -1,0 +1,37 @@
+"""Decode tokens stored into the slot of their page (kernels/slot_store.py): the Triton kernel
+(compiled on CUDA, interpreted on CPU) against its torch version and a loop reference, at odd
+batch sizes and selection lengths, non-contiguous K/V rows (views of a fused QKV output)."""
+import pytest
+import torch
+
+from sparseserve.kernels.slot_store import store_decode_tokens, torch_store_decode_tokens
+
+from tests.conftest import DEVICE
+
+
+@pytest.mark.parametrize("B,Hkv,K,D", [(1, 1, 1, 64), (17, 2, 9, 128), (5, 8, 54, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_decode_tokens(B, Hkv, K, D, dtype):
+    g = torch.Generator().manual_seed(B * K + D)
+    S, ps = B * Hkv * K + 3, 16
+    slots = torch.randperm(S, generator=g)[:B * Hkv * K].view(B, Hkv, K).to(torch.int32)
+    num_sel = torch.randint(1, K + 1, (B, Hkv), generator=g, dtype=torch.int32)
+    offs = torch.randint(0, ps, (B,), generator=g)
+    qkv = torch.randn(B, 3 * Hkv, D, generator=g).to(dtype)
+    k, v = qkv[:, :Hkv], qkv[:, Hkv:2 * Hkv]  # strided rows, as from a QKV projection
+    base_k = torch.randn(S, ps, D, generator=g).to(dtype)
+    base_v = torch.randn(S, ps, D, generator=g).to(dtype)
+    ref_k, ref_v = base_k.clone(), base_v.clone()
+    want = torch.empty(B, Hkv, dtype=torch.long)
+    for b in range(B):
+        for h in range(Hkv):
+            s = int(slots[b, h, num_sel[b, h] - 1])
+            want[b, h] = s
+            ref_k[s, offs[b]] = k[b, h]
+            ref_v[s, offs[b]] = v[b, h]
+    for fn in (lambda *a: store_decode_tokens(*a, backend="triton"), torch_store_decode_tokens):
+        dk, dv = base_k.clone().to(DEVICE), base_v.clone().to(DEVICE)
+        last = fn(slots.to(DEVICE), num_sel.to(DEVICE), offs.to(DEVICE), k.to(DEVICE),
+                  v.to(DEVICE), dk, dv)
+        assert torch.equal(last.cpu(), want)
+        assert torch.equal(dk.cpu(), ref_k) and torch.equal(dv.cpu(), ref_v)
