@@ -227,8 +227,8 @@ def category_lru_order(last_access, owner_row, row_quota, step, num_buckets: int
 
 
 def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota, step,
-                   counters, table_fill, scratch_page: int, scratch_slot: int, policy: str,
-                   num_buckets: int, fresh_from=None):
+                   counters, table_fill, scratch_page: int, scratch_slot: int,
+                   num_buckets: int, fresh_from=None, victim_order=None):
     """One layer's retrieve on the GPU (see module doc).
 
     pages [B, Hkv, K] int32/int64 selected host pages; num_sel [B, Hkv] int32 valid entries;
@@ -239,9 +239,10 @@ def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota,
     -> (slots [B, Hkv, K] int32: the slot of every valid entry, the scratch slot elsewhere;
     load_src, load_dst [N] int64 compacted: host page (-1: nothing to load) and its slot,
     valid below num_loads[0]; num_loads [1] int32 on the device).
+    victim_order: None for category LRU with `num_buckets` age buckets (fused here), or the
+    policy's own order f(last [S], owner [S], row_quota, step) -> [S] slots, first evicted
+    first (the caller's policy module; it sees the hits already touched).
     """
-    from sparseserve.kvcache.eviction import victim_order
-
     B, Hkv, K = pages.shape
     N = B * Hkv * K
     S = page_of.shape[0] - 1
@@ -259,11 +260,11 @@ def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota,
                         HAS_FRESH=has_fresh, BLOCK=ENTRY_BLOCK)
     rank = torch.cumsum(miss, 0, dtype=torch.int32)
     num_loads = rank[-1:]
-    if policy == "category-lru":
+    if victim_order is None:
         order = category_lru_order(last[:S], owner[:S], row_quota, step, num_buckets,
                                    need=num_loads)
     else:
-        order = victim_order(last[:S], owner[:S], row_quota, step, policy)
+        order = victim_order(last[:S], owner[:S], row_quota, step)
     load_src = torch.empty(N, dtype=torch.int64, device=dev)
     load_dst = torch.empty(N, dtype=torch.int64, device=dev)
     _assign_kernel[grid](pages, miss, rank, order, rows.contiguous(), fresh, page_of, last,

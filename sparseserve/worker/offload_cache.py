@@ -21,6 +21,7 @@ CPU scatter of one step thus overlaps the whole next step.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import numpy as np
@@ -248,11 +249,14 @@ class TwoTierCache:
         """retrieve with the fused kernels (GPU; CPU tensors run them in the interpreter)."""
         from sparseserve.kernels.retrieve import fused_retrieve
         from sparseserve.kvcache.eviction import NUM_BUCKETS
+        # category LRU is fused into the kernels; other policies give their own order
+        order = None if self.policy == "category-lru" else functools.partial(
+            victim_order, policy=self.policy)
         slots, load_src, load_dst, num_loads = fused_retrieve(
             pages, num_sel, rows, self.res_table[layer], self.page_of[layer],
             self.last_access[layer], self.owner[layer], self.row_quota, self.step,
-            counter, self.res_fill[layer], self.scratch_page, self.scratch_slot, self.policy,
-            NUM_BUCKETS, fresh_from)
+            counter, self.res_fill[layer], self.scratch_page, self.scratch_slot,
+            NUM_BUCKETS, fresh_from, victim_order=order)
         self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
                          self.dev_v[layer], load_src, load_dst, num_live=num_loads)
         return slots
