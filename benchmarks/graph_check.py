@@ -87,12 +87,17 @@ class GraphChecker:
         rec = self.record
         rec["checked_steps"] = self.checked
         if diffs or errs:
+            # bookkeeping (integer state) differing from its eager twin is the fault's trace;
+            # float-only differences would be numerics (a kernel choice under capture)
+            ints = sorted(k for k, v in diffs.items() if "max_abs" not in v)
+            kind = "range" if errs else "bookkeeping" if ints else "numerics-only"
             rec["differing_steps"].append({
-                "check": self.checked, "engine_step": rec.get("engine_step"), "batch": n,
-                "bucket": b, "rows": rows.tolist(), "positions": positions.tolist(),
-                "diffs": diffs, "range_errors": errs})
+                "check": self.checked, "engine_step": rec.get("engine_step"), "kind": kind,
+                "batch": n, "bucket": b, "rows": rows.tolist(),
+                "positions": positions.tolist(), "diffs": diffs, "range_errors": errs})
+            rec["first_" + kind] = rec.get("first_" + kind, self.checked)
             E.log(self.record["deadline"], f"check {self.checked}: batch {n} (bucket {b}) "
-                  f"differs in {sorted(diffs)} {errs}")
+                  f"{kind}: {sorted(diffs)} {errs}")
         self.save()
 
 
@@ -143,6 +148,7 @@ def run(args) -> dict:
         else:
             E.log(deadline, "warning: this engine captured no CUDA graphs (CPU, or eager): "
                             "nothing to check; the trace runs unchecked")
+        rec["engine_step"] = "warm-up"
         S.warmup(eng, cfg["vocab_size"], scale)
         from sparseserve import SamplingParams
         for i, req in enumerate(trace):
@@ -195,9 +201,12 @@ def main(argv=None) -> int:
     print(f"\nchecked {r['checked_steps']} graph calls over {r.get('engine_steps')} engine "
           f"steps ({r.get('wall_s', 0):.1f} s); differing: {len(r['differing_steps'])}; "
           f"graphs: {r.get('cuda_graphs')}")
+    for kind in ("range", "bookkeeping", "numerics-only"):
+        first = r.get("first_" + kind)
+        print(f"  first {kind} difference: " + ("none" if first is None else f"check {first}"))
     for d in r["differing_steps"][:5]:
-        print(f"  check {d['check']} (engine step {d['engine_step']}): batch {d['batch']} "
-              f"bucket {d['bucket']}: {sorted(d['diffs'])} {d['range_errors']}")
+        print(f"  check {d['check']} (engine step {d['engine_step']}) {d['kind']}: batch "
+              f"{d['batch']} bucket {d['bucket']}: {sorted(d['diffs'])} {d['range_errors']}")
     return 0
 
 
