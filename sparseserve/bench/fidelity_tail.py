@@ -238,6 +238,5 @@ def _fast_algorithm(a, shared: SharedText):
     else:
         return a
     fast = cls(a.page_size, a.budget_pages, a.sink_pages, a.local_pages)
-    fast.scratch = a.scratch
     fast.shared = shared
     return fast

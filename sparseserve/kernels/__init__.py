@@ -88,7 +88,7 @@ def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=Non
     """In-place page summaries; see ``page_summary.update_page_summaries``.
 
     k_cache [P, page_size, D], page_ids [N] int32 (< 0 = skip), num_tokens [N] int32,
-    kmin/kmax/kradius [S, D].
+    kmin/kmax [S, D] (written at row page_ids[i]), kradius [N, D] (written at row i).
     """
     if resolve_backend(backend, k_cache) == "torch":
         return ref.update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius)

@@ -43,7 +43,8 @@ def _page_summary_kernel(
         c = (tl.where(d_ok, mn, 0.0) + tl.where(d_ok, mx, 0.0)) * 0.5   # dead rows: no inf - inf
         dev = tl.where(mask, tl.abs(c[None, :] - k), 0.0)
         r = tl.sum(dev, axis=0) / tl.maximum(n, 1).to(tl.float32)
-        tl.store(krad_ptr + page * stride_rad + offs_d, r.to(krad_ptr.dtype.element_ty), mask=d_ok)
+        # per entry, not per summary row: the caller's buffer is [N, D] (see the wrapper)
+        tl.store(krad_ptr + i * stride_rad + offs_d, r.to(krad_ptr.dtype.element_ty), mask=d_ok)
 
 
 def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=None) -> None:
@@ -56,8 +57,10 @@ def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=Non
         num_tokens: [N] int32          valid tokens in each page (1..page_size)
         kmin, kmax: [S, D]             per-channel min / max of the page's valid keys, written at
                                        row page_ids[i] (S >= P); other rows untouched
-        kradius:    [S, D] or None     ArkVale cuboid radius: mean over valid tokens t of
-                                       |c - k_t| with c = (kmin + kmax) / 2
+        kradius:    [N, D] or None     ArkVale cuboid radius of entry i (row i, not the page's
+                                       row: a per-call buffer, so a captured step owns it):
+                                       mean over valid tokens t of |c - k_t| with
+                                       c = (kmin + kmax) / 2; padding entries' rows untouched
     Summaries are computed in fp32 and stored in the summary tensors' dtype.
     """
     P, page_size, D = k_cache.shape

@@ -85,8 +85,10 @@ def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=Non
         num_tokens: [N] int32          valid tokens in each page (1..page_size)
         kmin, kmax: [S, D]             per-channel min / max of the page's valid keys, written at
                                        row page_ids[i] (S >= P); other rows untouched
-        kradius:    [S, D] or None     ArkVale cuboid radius: mean over valid tokens t of
-                                       |c - k_t| with c = (kmin + kmax) / 2
+        kradius:    [N, D] or None     ArkVale cuboid radius of entry i (row i, not the page's
+                                       row: a per-call buffer, so a captured step owns it):
+                                       mean over valid tokens t of |c - k_t| with
+                                       c = (kmin + kmax) / 2; padding entries' rows untouched
     """
     page_size = k_cache.shape[1]
     keep = page_ids >= 0                                                       # [N]
@@ -101,7 +103,7 @@ def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=Non
     if kradius is not None:
         c = (mn + mx) * 0.5
         dev = torch.where(tok_ok, (c.unsqueeze(1) - k).abs(), torch.zeros_like(k))
-        kradius[ids] = (dev.sum(dim=1) / n.view(-1, 1).float()).to(kradius.dtype)
+        kradius[keep] = (dev.sum(dim=1) / n.view(-1, 1).float()).to(kradius.dtype)
 
 
 def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None, per_head=False):

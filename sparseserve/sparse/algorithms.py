@@ -55,7 +55,8 @@ class Quest(SparseAlgorithm):
                 summaries["kmax"].view(-1, summaries["kmax"].shape[1] // self.n_sub))
 
     def _index_boxes(self, k_cache, page_ids, num_tokens, kmin, kmax, radius=None):
-        """Per-box min / max (and ArkVale's radius) of the listed pages, rows [S * n_sub, D]."""
+        """Per-box min / max of the listed pages (rows [S * n_sub, D]) and, with `radius`
+        [N * n_sub, D], ArkVale's radius per listed entry (box j of entry i at i * n_sub + j)."""
         n = self.n_sub
         if n == 1:
             update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, radius)
@@ -68,10 +69,13 @@ class Quest(SparseAlgorithm):
         rows = torch.where(page_ids >= 0, page_ids, S - 1).long()  # masked -> scratch row
         empty = (torch.arange(n, device=page_ids.device).view(1, n, 1) * (ps // n)
                  >= num_tokens.view(-1, 1, 1))
-        for t in (kmin, kmax) if radius is None else (kmin, kmax, radius):
+        for t in (kmin, kmax):
             v = t.view(S, n, D)
             cur = v[rows]
             v[rows] = torch.where(empty, cur[:, :1], cur)
+        if radius is not None:
+            r = radius.view(-1, n, D)
+            r.copy_(torch.where(empty, r[:, :1], r))
 
     def index(self, k_cache, page_ids, num_tokens, summaries, queries):
         kmin, kmax = self._boxes(summaries)
@@ -114,16 +118,18 @@ class ArkVale(Quest):
 
     def index(self, k_cache, page_ids, num_tokens, summaries, queries):
         kmin, kmax = self._boxes(summaries)
-        radius = self.scratch.get("radius")
-        if radius is None or radius.shape != kmin.shape or radius.device != kmin.device:
-            radius = self.scratch["radius"] = torch.zeros_like(kmin)
-        self._index_boxes(k_cache, page_ids, num_tokens, kmin, kmax, radius)
-        # the box rows of the listed pages (masked lanes -> the scratch row's boxes)
         n = self.n_sub
+        # the radius of each listed entry's boxes [N * n_sub, D], allocated per call: a buffer
+        # kept across calls would be freed when a call of another size replaced it, while a
+        # CUDA graph captured with it kept writing there (the two-tier decode's graph fault)
+        radius = torch.zeros((page_ids.shape[0] * n, kmin.shape[1]), dtype=kmin.dtype,
+                             device=kmin.device)
+        self._index_boxes(k_cache, page_ids, num_tokens, kmin, kmax, radius)
+        # the box rows of the listed pages (masked lanes -> the scratch row's boxes, radius 0)
         pages = torch.where(page_ids >= 0, page_ids, kmin.shape[0] // n - 1).long()
         rows = (pages.view(-1, 1) * n + torch.arange(n, device=pages.device)).reshape(-1)
         c = (kmin[rows].float() + kmax[rows].float()) * 0.5
-        r = radius[rows].float()
+        r = radius.float()
         kmin[rows] = (c - r).to(kmin.dtype)
         kmax[rows] = (c + r).to(kmax.dtype)
 

@@ -129,8 +129,6 @@ class SparseAlgorithm:
         self.budget_pages = budget_pages
         self.sink_pages = sink_pages
         self.local_pages = local_pages
-        # one scratch row per summary name, shared by all layers (e.g. ArkVale's radius)
-        self.scratch: dict[str, torch.Tensor] = {}
 
     # ---- summaries --------------------------------------------------------------------------
     def summary_shapes(self, head_dim: int) -> dict[str, tuple[int, ...]]:

@@ -112,16 +112,20 @@ class OffloadForwardContext(ForwardContext):
                            summaries: LayerSummaries, queries: torch.Tensor | None) -> None:
         """index() reads and writes the same row ids; here page i of k_pages [n, ps, D] is
         summarised (read_ids[i] = i, or -1: skipped) and its summary belongs at host_ids[i]
-        [n] int64 (the scratch page for skipped entries), so go through a scratch table:
-        one zeroed buffer for all summary tensors, one index_copy_ each, one zeroing of the
-        scratch page's rows (skipped entries all land there)."""
+        [n] int64 (the scratch page for skipped entries), so go through a scratch table of
+        n + 1 rows — the last is where index() sends skipped lanes, so they never share a row
+        with a summarised page (a race on that row otherwise) — one zeroed buffer for all
+        summary tensors, one index_copy_ each, one zeroing of the scratch page's rows (the
+        skipped entries' copies all land there)."""
         n = read_ids.shape[0]
         tensors = summaries.tensors
-        scratch = LayerSummaries(_zeros_like_rows(tensors, n), summaries.shapes)
+        if not tensors:  # an algorithm without summaries (streaming) indexes nothing
+            return
+        scratch = LayerSummaries(_zeros_like_rows(tensors, n + 1), summaries.shapes)
         algo = self.sparse.algorithm
         algo.index(k_pages, read_ids, ntok, scratch, queries if algo.uses_queries else None)
         for name, t in tensors.items():
-            t.index_copy_(0, host_ids, scratch[name])
+            t.index_copy_(0, host_ids, scratch[name][:n])
         torch._foreach_zero_([t[self.cache.scratch_page] for t in tensors.values()])
 
     def _offload_prefill(self, layer: int, p: PrefillSeq, q: torch.Tensor, k: torch.Tensor,

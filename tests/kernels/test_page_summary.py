@@ -35,22 +35,23 @@ def _case(lens, ps, D, gen, pad=3):
 
 
 def _loop_reference(k_cache, ids, nt, S, D):
+    """kmin, kmax [S, D] at the pages' rows; kradius [N, D] at the entries' rows."""
     kmin = torch.full((S, D), SENTINEL)
     kmax = torch.full((S, D), SENTINEL)
-    krad = torch.full((S, D), SENTINEL)
-    for pid, t in zip(ids.tolist(), nt.tolist()):
+    krad = torch.full((len(ids), D), SENTINEL)
+    for i, (pid, t) in enumerate(zip(ids.tolist(), nt.tolist())):
         if pid < 0:
             continue
         k = k_cache[pid, :t].double()
         mn, mx = k.min(0).values, k.max(0).values
         kmin[pid], kmax[pid] = mn.float(), mx.float()
-        krad[pid] = ((mn + mx) / 2 - k).abs().mean(0).float()
+        krad[i] = ((mn + mx) / 2 - k).abs().mean(0).float()
     return kmin, kmax, krad
 
 
-def _buffers(S, D, dtype=torch.float32):
-    """kmin, kmax, kradius [S, D] on DEVICE, every entry SENTINEL."""
-    return [torch.full((S, D), SENTINEL, dtype=dtype, device=DEVICE) for _ in range(3)]
+def _buffers(S, D, N, dtype=torch.float32):
+    """kmin, kmax [S, D] and kradius [N, D] on DEVICE, every entry SENTINEL."""
+    return [torch.full((rows, D), SENTINEL, dtype=dtype, device=DEVICE) for rows in (S, S, N)]
 
 
 @pytest.mark.parametrize("ps,D", [(32, 64), (16, 128), (32, 128), (16, 64)])
@@ -62,7 +63,7 @@ def test_summaries_odd_lengths(ps, D):
     expect = _loop_reference(k_cache, ids, nt, S, D)
     k_cache, ids, nt = to_dev(k_cache, ids, nt)
     for fn in (update_page_summaries, ref.update_page_summaries):
-        kmin, kmax, krad = _buffers(S, D)
+        kmin, kmax, krad = _buffers(S, D, len(ids))
         fn(k_cache, ids, nt, kmin, kmax, krad)
         for got, exp in zip((kmin, kmax, krad), expect):
             close(got, exp)
@@ -75,7 +76,7 @@ def test_summaries_without_radius_and_dispatch():
     exp_min, exp_max, _ = _loop_reference(k_cache, ids, nt, S, 64)
     k_cache, ids, nt = to_dev(k_cache, ids, nt)
     for kwargs in ({}, {"backend": "triton"}, {"backend": "torch"}):
-        kmin, kmax, _ = _buffers(S, 64)
+        kmin, kmax, _ = _buffers(S, 64, len(ids))
         dispatch_summaries(k_cache, ids, nt, kmin, kmax, None, **kwargs)
         close(kmin, exp_min)
         close(kmax, exp_max)
@@ -85,7 +86,7 @@ def test_summaries_all_padding_writes_nothing():
     k_cache = torch.randn(4, 16, 64, device=DEVICE)
     ids = torch.full((5,), -1, dtype=torch.int32, device=DEVICE)
     nt = torch.full((5,), 16, dtype=torch.int32, device=DEVICE)
-    kmin, kmax, krad = _buffers(4, 64)
+    kmin, kmax, krad = _buffers(4, 64, 5)
     update_page_summaries(k_cache, ids, nt, kmin, kmax, krad)
     for t in (kmin, kmax, krad):
         assert (t == SENTINEL).all()
@@ -100,7 +101,7 @@ def test_summaries_dtypes(dtype):
     k_cache, ids, nt = _case(lens, 32, 128, gen)
     S = k_cache.shape[0]
     kc, ids, nt = to_dev(k_cache.to(dtype), ids, nt)
-    got, want = _buffers(S, 128, dtype), _buffers(S, 128, dtype)
+    got, want = _buffers(S, 128, len(ids), dtype), _buffers(S, 128, len(ids), dtype)
     update_page_summaries(kc, ids, nt, *got)
     ref.update_page_summaries(kc, ids, nt, *want)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
