@@ -39,9 +39,7 @@ def build_pool(torch, s, device, dtype, ctx, bmax, names):
         summ = alg.make_summaries(P + 1, d, dtype, device)
         for i in range(0, P, INDEX_CHUNK):
             alg.index(k, ids[i:i + INDEX_CHUNK], ntok[i:i + INDEX_CHUNK], summ, None)
-        scratch = sum(t.numel() * t.element_size() for t in alg.scratch.values())
-        alg.scratch.clear()  # index-time scratch only (ArkVale's radius); not needed to select
-        algs[name] = (alg, summ, scratch)
+        algs[name] = (alg, summ)
     return dict(k=k, v=v, table=table, n=n, last=last, algs=algs)
 
 
@@ -76,7 +74,7 @@ def measure_combo(torch, bench, s, pool, ctx, batch, copy_bw, backend, graphs):
                  kv_gb_full_model=dense_bytes * s["num_layers"] / 1e9,
                  stats=t["gpu"], reps=t["reps"], checks=checks)]
     kv_pool_bytes = 2 * k.numel() * es
-    for name, (alg, summ, scratch) in pool["algs"].items():
+    for name, (alg, summ) in pool["algs"].items():
         select = lambda: alg.select(q, pt, npg, lpl, summ, k)  # noqa: E731
         sel = select()
         sparse = lambda: attend(select())  # noqa: E731
@@ -138,7 +136,7 @@ def measure_combo(torch, bench, s, pool, ctx, batch, copy_bw, backend, graphs):
         r["select_speedup"] = r["select_unfused_us"] / r["select_us"]
         r["select_share"] = r["select_us"] / r["select_plus_attend_us"]
         r.update(summary_bytes=summ_total, kv_pool_bytes=kv_pool_bytes,
-                 summary_frac=summ_total / kv_pool_bytes, index_scratch_bytes=scratch,
+                 summary_frac=summ_total / kv_pool_bytes,
                  selected_pages=[int(sel_pages.min()), int(sel_pages.max())],
                  topk_k=kk, reps={key: val["reps"] for key, val in tm.items()})
         b = min(batch, 2)

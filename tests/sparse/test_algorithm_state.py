@@ -1,4 +1,5 @@
-"""No sparse algorithm keeps a tensor across calls that a later call replaces.
+"""No sparse algorithm (nor the two-tier cache, the page directory, RoPE) keeps a tensor across
+calls that a later call replaces.
 
 A decode step captured in a CUDA graph holds the addresses of every tensor it touched; if an
 algorithm caches a buffer (keyed by shape, say) and a later call of another size swaps it for
@@ -50,14 +51,20 @@ def test_algorithm_state_survives_calls_of_every_size(tiny_model_dirs, algo):
     llm = LLM(path, device="cpu", dtype="float32", page_size=16, sparse_algorithm=algo,
               token_budget=64, sink_pages=1, local_pages=1, max_num_seqs=4,
               max_model_len=256, max_num_batched_tokens=48, **tiers)
-    algorithm = llm.engine.runner.sparse.algorithm
+    runner = llm.engine.runner
+    # what a captured decode step can reach besides the algorithm: the two-tier cache, the
+    # page directory, the RoPE table (the model's weights are parameters, never replaced)
+    reach = {"algorithm": runner.sparse.algorithm, "cache": runner.offload,
+             "pages": runner.pages, "rope": runner.model.rope}
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [5 + i % 300 for i in range(40)]}], params,
                  use_tqdm=False)
-    before = tensors_of(algorithm)
+    before = {k: tensors_of(v) for k, v in reach.items()}
     prompts = [[7 + (i * k) % 300 for i in range(n)] for k, n in
                ((1, 1), (3, 17), (5, 54), (7, 97), (11, 130))]
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     if algo not in ("oracle", "streaming"):  # streaming reads only sinks and recent pages
         assert llm.engine.get_stats()["cache_misses_total"] > 0  # evictions happened
-    assert tensors_of(algorithm) == before
+    after = {k: tensors_of(v) for k, v in reach.items()}
+    for k in reach:
+        assert after[k] == before[k], k
