@@ -118,6 +118,12 @@ class Selection:
 
 
 class SparseAlgorithm:
+    """Stateless between calls: every tensor an algorithm uses is a summary (owned by the
+    worker) or allocated inside the call. A decode step captured in a CUDA graph keeps the
+    address of every buffer it touched, so a buffer kept on the algorithm and replaced by a
+    later call of another size would be written through a freed address on every replay
+    (tests/sparse/test_algorithm_state.py holds every registered algorithm to this)."""
+
     name = "base"
     summary_names: tuple[str, ...] = ()
     uses_queries = False  # index() wants the queries of the tokens that filled each page
