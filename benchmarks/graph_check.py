@@ -1,6 +1,7 @@
-"""Graph replay against eager, step by step, on an end-to-end trace (the two-tier cache's CUDA-
-graph fault of the end-to-end issue: eager runs of mix40 are clean, graph runs hit an illegal
-address within seconds).
+"""Graph replay against eager, step by step, on an end-to-end trace: the instrument for CUDA-
+graph faults of the two-tier decode (the end-to-end issue's: eager runs of mix40 were clean,
+graph runs hit an illegal address within seconds; the cause was a buffer an algorithm replaced
+between calls — see docs/results/system.md).
 
 Every call of the decode graphs (pure decode and hybrid steps) runs twice from the same state:
 first the captured forward op by op (`DecodeGraphs._forward(b)`: the same bucket, padding rows
