@@ -34,6 +34,7 @@ import engine_bench as E  # noqa: E402
 import graph_state as G  # noqa: E402
 import system as S  # noqa: E402
 import torch  # noqa: E402
+from sparseserve.transfer.common import bits_view  # noqa: E402
 
 GiB = 1 << 30
 
@@ -79,7 +80,7 @@ class GraphChecker:
                     if name.startswith(("dev_k.", "dev_v.")):
                         t[off.scratch_slot].zero_()
         diffs = G.diff_states(eager, graph)
-        if not torch.equal(G._bits(eager_logits), G._bits(graph_logits)):
+        if not torch.equal(bits_view(eager_logits), bits_view(graph_logits)):
             d = (eager_logits - graph_logits).abs()
             diffs["logits"] = {"count": int((d != 0).sum()), "max_abs": float(d.max()),
                                "argmax_equal": bool(torch.equal(eager_logits.argmax(-1),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+from sparseserve.transfer.common import bits_view
 
 
 def tracked_state(runner) -> dict[str, torch.Tensor]:
@@ -29,8 +29,7 @@ def tracked_state(runner) -> dict[str, torch.Tensor]:
                 state[name] = value
         for i, (k, v) in enumerate(zip(off.dev_k, off.dev_v)):
             state[f"dev_k.{i}"], state[f"dev_v.{i}"] = k, v
-        for dev, c in off.loader._counters.items():
-            state[f"loader_counter.{dev}"] = c
+        state["loader_counter"] = off.loader.counter(off.page_of.device)
     else:
         for i, (k, v) in enumerate(zip(runner.kv.k, runner.kv.v)):
             state[f"kv_k.{i}"], state[f"kv_v.{i}"] = k, v
@@ -57,11 +56,6 @@ def _first_diffs(a: torch.Tensor, b: torch.Tensor, limit: int) -> list[dict]:
             for i in idx]
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """The tensor's bit pattern (NaN == NaN, -0 != +0)."""
-    return x.view(_BITS[x.element_size()])
-
-
 def _index_answers(table, page_of) -> torch.Tensor:
     """Per layer: the slot the residency index returns for every page page_of maps."""
     from sparseserve.kernels import residency_hash
@@ -86,7 +80,7 @@ def diff_states(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
             out[name] = {"count": -1, "shapes": [list(x.shape), list(y.shape)]}
             continue
         if x.is_floating_point():
-            if not torch.equal(_bits(x), _bits(y)):
+            if not torch.equal(bits_view(x), bits_view(y)):
                 d = (x.float() - y.float()).abs()
                 out[name] = {"count": int((d != 0).sum()), "max_abs": float(d.max()),
                              "first": _first_diffs(x.float(), y.float(), limit)}

@@ -2,8 +2,9 @@
 
 category-LRU (Spin): each slot's recency is bucketed (64 buckets of one step of age each;
 everything older shares the last bucket), and victims come from the oldest non-empty bucket
-first, in any order within a bucket — so the order is a counting sort over a few keys (one
-atomic pass on the GPU, `kernels.bucket_order`), not a global sort. Plain LRU orders by exact
+first, in any order within a bucket — so the order is a counting sort over a few keys, not a
+global sort (on the GPU the fused retrieve does it, kernels/retrieve.py; this torch version is
+the CPU path and the kernels' reference). Plain LRU orders by exact
 age with a full sort and is kept as the baseline. Free slots go first, then slots of requests
 over their buffer quota, then the rest; slots used in the current step come last (the caller
 never needs that many victims).
@@ -44,7 +45,4 @@ def victim_order(last_access: torch.Tensor, owner_row: torch.Tensor, row_quota: 
     key = 1 + age.clamp(max=NUM_BUCKETS - 1) + over.long() * NUM_BUCKETS
     key = torch.where(free, _NUM_KEYS - 1, key)
     key = torch.where(now, 0, key)
-    if key.is_cuda:
-        from sparseserve.kernels.bucket_order import bucket_order
-        return bucket_order(key, _NUM_KEYS)
     return torch.sort(key, descending=True, stable=True).indices

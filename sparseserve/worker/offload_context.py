@@ -99,7 +99,7 @@ class OffloadForwardContext(ForwardContext):
         """Pages this decode step filled: summarise from their slot, store at the host id."""
         nd, hkv = last_slot.shape
         plan = self._decode_plan()
-        # gather the n candidate pages, so the scratch table has n rows, not one per slot
+        # gather the n candidate pages, so the scratch table has n + 1 rows, not one per slot
         pages_k = self.cache.dev_k[layer][last_slot.reshape(-1)]  # [n, page_size, D]
         queries = None
         if self.sparse.algorithm.uses_queries:

@@ -11,10 +11,10 @@ from triton.runtime.interpreter import InterpretedFunction
 from tests.conftest import DEVICE, silent_gpu_skip
 from tests.kernels import DTYPES, TOL, close, to_dev
 
-KERNEL_MODULES = ["sparseserve.kernels.bucket_order", "sparseserve.kernels.page_scores",
-                  "sparseserve.kernels.page_select", "sparseserve.kernels.page_summary",
-                  "sparseserve.kernels.paged_decode", "sparseserve.kernels.residency_hash",
-                  "sparseserve.kernels.retrieve", "sparseserve.transfer.flash_h2d",
+KERNEL_MODULES = ["sparseserve.kernels.page_scores", "sparseserve.kernels.page_select",
+                  "sparseserve.kernels.page_summary", "sparseserve.kernels.paged_decode",
+                  "sparseserve.kernels.residency_hash", "sparseserve.kernels.retrieve",
+                  "sparseserve.kernels.slot_store", "sparseserve.transfer.flash_h2d",
                   "sparseserve.transfer.gpu_direct"]
 
 
