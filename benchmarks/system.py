@@ -118,7 +118,7 @@ def run_config(name: str, model: str, cfg: dict, args, trace, device, dtype, dea
         C.free_device_memory()  # an engine of the previous configuration is gone by now
         rec["memory_before_run"] = C.free_device_memory()
         with C.peak_memory(rec):
-            rec.update(run_trace(eng, trace, device, stop_at))
+            rec.update(run_trace(eng, trace, device, stop_at, args.profile_steps))
         E.log(deadline, f"  {name}: {rec['wall_s']:.1f}s, {rec['output_tokens_per_s']:.0f} out "
                         f"tok/s, TTFT {rec['ttft_s']['mean']:.2f}s, "
                         f"{rec['pages_loaded_per_decode_step']:.0f} pages loaded/decode step, "
@@ -179,6 +179,19 @@ def table(result: dict) -> str:
     return out
 
 
+def _step_range(text: str) -> list[int]:
+    """'A:B[,C:D...]' -> the step indices A..B-1, C..D-1, ..."""
+    out: list[int] = []
+    for part in text.split(","):
+        a, _, b = part.partition(":")
+        try:
+            out.extend(range(int(a), int(b)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected A:B[,C:D...] (step indices), got {text!r}") from None
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     E.add_run_args(p, "JSON result path", list(CONFIGS))
@@ -194,6 +207,10 @@ def main(argv=None) -> int:
     p.add_argument("--run-budget-s", type=float, default=200, help="cap of one configuration's run")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (debugging: a device fault then names its kernel)")
+    p.add_argument("--profile-steps", type=_step_range, default=[], metavar="A:B[,C:D]",
+                   help="run steps A..B-1 of each configuration under torch.profiler and record "
+                        "their kernel time, top kernels / CPU ops and blocking CUDA calls "
+                        "(diagnosis: those steps run slower)")
     args = p.parse_args(argv)
     names = E.parse_parts(args.configs or args.only, list(CONFIGS))
     device, dtype = E.device_and_dtype(args)

@@ -16,33 +16,101 @@ import numpy as np
 
 class StepRecorder:
     """Wraps the engine's executor.execute (an instance attribute shadowing the method; any
-    tensor_parallel_size) to record what each step scheduled: decode rows and prefill
-    token-layers."""
+    tensor_parallel_size) to record what each step scheduled — decode rows, prefill
+    token-layers, each prefill chunk as [tokens, start, layer_start, layer_end] — and the
+    step's anatomy: seconds inside execute (launch + device until the token copy), Triton
+    kernels compiled and device allocations (cudaMalloc) during it. A step much slower than
+    its work shows here why: host-side, compiling, or allocating."""
 
     def __init__(self, runner, num_layers: int) -> None:
         self.runner = runner
         self.num_layers = num_layers
         self.last: dict = {}
         self._original = runner.execute
+        self.compiled: list[str] = []  # names of the Triton kernels compiled so far
+
+    def _on_compile(self, *args, **kwargs):
+        self.compiled.append(str(kwargs.get("repr", "?")).split("[")[0])
 
     def _execute(self, out):
-        dec = sum(1 for c in out.chunks if c.is_decode)
-        pre = sum(c.num_tokens * (c.layer_end - c.layer_start) for c in out.chunks
-                  if not c.is_decode)
-        self.last = {"decode": dec, "prefill_token_layers": pre,
-                     "prefill_chunks": sum(1 for c in out.chunks if not c.is_decode)}
-        return self._original(out)
+        pre_chunks = [c for c in out.chunks if not c.is_decode]
+        self.last = {"decode": len(out.chunks) - len(pre_chunks),
+                     "prefill_token_layers": sum(c.num_tokens * (c.layer_end - c.layer_start)
+                                                 for c in pre_chunks),
+                     "prefill_chunks": len(pre_chunks),
+                     "chunks": [[c.num_tokens, c.start, c.layer_start, c.layer_end]
+                                for c in pre_chunks]}
+        c0, a0 = len(self.compiled), _device_allocs()
+        t0 = time.perf_counter()
+        try:
+            return self._original(out)
+        finally:
+            self.last.update(exec_s=time.perf_counter() - t0, compiled=self.compiled[c0:],
+                             device_allocs=_device_allocs() - a0)
 
     def __enter__(self):
         self.runner.execute = self._execute
+        self._hook = _set_compile_hook(self._on_compile)
         return self
 
     def __exit__(self, *exc):
         self.runner.__dict__.pop("execute", None)
+        _set_compile_hook(self._hook)
 
 
-def run_trace(engine, trace: list[dict], device: str, stop_at: float) -> dict:
-    """trace: [{"prompt_token_ids": [...], "max_tokens": n}]. -> metrics + per-step records."""
+def _set_compile_hook(hook):
+    """Install Triton's post-compile hook (called once per kernel compiled); -> the previous
+    one. No-op without Triton's knobs."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    prev = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = hook
+    return prev
+
+
+def _device_allocs() -> int:
+    """cudaMalloc calls of the caching allocator so far (0 without CUDA)."""
+    import torch
+    if not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.memory_stats().get("num_device_alloc", 0))
+
+
+def profiled_step(engine, top: int = 12) -> tuple[list, dict]:
+    """engine.step() under torch.profiler (CPU + CUDA); -> (outputs, summary): the step's
+    kernel time (sum of device self time, ms), the `top` kernels / CPU ops by self time, and
+    the calls of host-blocking CUDA APIs (synchronize, malloc, host-to-device copies)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        outs = engine.step()
+        C.synchronize("cuda" if torch.cuda.is_available() else "cpu")
+    ev = prof.key_averages()
+    dev_us = lambda e: getattr(e, "self_device_time_total", 0) or 0  # noqa: E731
+    # device-side events only (kernels, memcpys): aten ops report their kernels' time too
+    on_device = lambda e: getattr(e, "device_type", None) != torch.autograd.DeviceType.CPU  # noqa: E731
+    kernels = sorted((e for e in ev if dev_us(e) > 0 and on_device(e)), key=dev_us, reverse=True)
+    cpu = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)
+    api = {e.key: [e.count, round(e.cpu_time_total / 1e3, 2)] for e in ev
+           if any(w in e.key for w in ("Synchronize", "Malloc", "Free", "HostRegister"))}
+    return outs, {
+        "kernel_ms": round(sum(dev_us(e) for e in kernels) / 1e3, 2),
+        "kernels": sum(e.count for e in kernels),
+        "top_kernels": [[e.key[:80], e.count, round(dev_us(e) / 1e3, 2)] for e in kernels[:top]],
+        "top_cpu": [[e.key[:80], e.count, round(e.self_cpu_time_total / 1e3, 2)]
+                    for e in cpu[:top]],
+        "blocking_api": api}
+
+
+def run_trace(engine, trace: list[dict], device: str, stop_at: float,
+              profile_steps=()) -> dict:
+    """trace: [{"prompt_token_ids": [...], "max_tokens": n}]. -> metrics + per-step records.
+    profile_steps: step indices run under torch.profiler (diagnosis; they run slower), each
+    record then carries a "profile" summary (profiled_step)."""
     from sparseserve import SamplingParams
 
     L = engine.config.model.num_hidden_layers
@@ -58,6 +126,7 @@ def run_trace(engine, trace: list[dict], device: str, stop_at: float) -> dict:
                            SamplingParams(temperature=0.0, max_tokens=req["max_tokens"],
                                           ignore_eos=True))
     loaded_prev = stats0.get("pages_loaded_total", 0)
+    wait_prev = stats0.get("save_wait_seconds_total", 0.0)
     with StepRecorder(engine.executor, L) as rec:
         while engine.has_unfinished_requests():
             if time.perf_counter() > stop_at:
@@ -65,7 +134,11 @@ def run_trace(engine, trace: list[dict], device: str, stop_at: float) -> dict:
                 truncated = True
                 break
             ts = time.perf_counter()
-            outs = engine.step()
+            prof = None
+            if len(steps) in profile_steps:
+                outs, prof = profiled_step(engine)
+            else:
+                outs = engine.step()
             C.synchronize(device)
             now = time.perf_counter()
             for o in outs:
@@ -76,10 +149,14 @@ def run_trace(engine, trace: list[dict], device: str, stop_at: float) -> dict:
             loaded = st.get("pages_loaded_total", 0)
             steps.append({**rec.last, "t": now - t0, "wall_s": now - ts,
                           "pages_loaded": loaded - loaded_prev,
+                          "save_wait_s": st.get("save_wait_seconds_total", 0.0) - wait_prev,
                           "running": st["num_running"], "waiting": st["num_waiting"],
                           "waiting_for_slots": st.get("num_waiting_for_slots", 0),
                           "estimated_working_set": st.get("estimated_working_set", 0)})
+            if prof is not None:
+                steps[-1]["profile"] = prof
             loaded_prev = loaded
+            wait_prev = st.get("save_wait_seconds_total", 0.0)
     wall = time.perf_counter() - t0
     stats1 = engine.get_stats()
     return summarize_run(trace, ids, token_times, steps, wall, L, stats0, stats1, truncated)

@@ -295,6 +295,7 @@ class LLMEngine:
             "pages_loaded_total": 0,
             "prefill_cache_hits_total": 0,
             "prefill_cache_misses_total": 0,
+            "save_wait_seconds_total": 0.0,  # host blocked on DRAM saves (two-tier cache)
             # two-tier cache: requests the last step left waiting for device slots, and the
             # device working set (slots per layer) its admitted requests were estimated at
             "num_waiting_for_slots": sched.num_waiting_for_slots,

@@ -101,6 +101,7 @@ class FlashD2HSaver:
         self._copy_events: dict[int, object] = {}     # ticket -> last D2H copy event (CUDA)
         self._stats = TransferStats()
         self.ring_stalls = 0                          # saves that waited for ring space
+        self.ring_stall_s = 0.0                       # seconds the caller waited for it
         self._side: dict = {}                         # device -> side stream
         self._closed = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -277,9 +278,11 @@ class FlashD2HSaver:
             region = self._ring.try_alloc(nbytes)
             if region is None:
                 self.ring_stalls += 1
-            while region is None:
-                self._cond.wait(0.5)
-                region = self._ring.try_alloc(nbytes)
+                t0 = time.perf_counter()
+                while region is None:
+                    self._cond.wait(0.5)
+                    region = self._ring.try_alloc(nbytes)
+                self.ring_stall_s += time.perf_counter() - t0
             return region
 
     def _part_task(self, ticket, region, ev, layer, views, pages, offsets, c0, n, r0, r1,

@@ -11,11 +11,22 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from sparseserve.kernels import paged_decode_attention
 from sparseserve.worker.sparse_runtime import SparseRuntime
 from sparseserve.worker.page_directory import PageDirectory
+
+
+# Prefill attention backends, in priority order. Not cuDNN: on the H200 (torch 2.11) its
+# SDPA blocked the host ~3-6 ms per call, growing with the tokens queued ahead of it (torch
+# profiler of mix40's layer-segmented prefill steps: the top CPU op, 28 calls = 82 ms in a
+# 28-layer step) — so the host could not run ahead of the GPU and every layer of a prefill
+# step paid its launch time on an idle GPU. Flash (GQA through enable_gqa), then
+# memory-efficient, then math (fp32, CPU).
+PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                         SDPBackend.MATH]
 
 
 @dataclass
@@ -184,7 +195,8 @@ class ForwardContext:
                 g = qs.shape[0] // ks.shape[0]
                 ks, vs = ks.repeat_interleave(g, 0), vs.repeat_interleave(g, 0)
         gqa = {"enable_gqa": True} if qs.shape[0] != ks.shape[0] else {}
-        out = F.scaled_dot_product_attention(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0),
-                                             attn_mask=mask, is_causal=causal, scale=self.scale,
-                                             **gqa)
+        with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(qs.unsqueeze(0), ks.unsqueeze(0),
+                                                 vs.unsqueeze(0), attn_mask=mask,
+                                                 is_causal=causal, scale=self.scale, **gqa)
         return out[0].transpose(0, 1)  # [n, Hq, D]

@@ -22,6 +22,7 @@ CPU scatter of one step thus overlaps the whole next step.
 from __future__ import annotations
 
 import functools
+import time
 import weakref
 
 import numpy as np
@@ -35,6 +36,15 @@ from sparseserve.transfer import PageLoader, make_saver
 # last_access of a slot whose page has a save in flight (+ the step's parity): in the future,
 # so its age is 0 and it is never a victim; outside every working-set window
 PENDING_SAVE = 1 << 60
+
+
+def staging_ring_bytes(step_save_bytes: int, floor: int = 1 << 30,
+                       cap: int = 8 << 30) -> int:
+    """FlashD2H's pinned staging ring: two steps of prefill saves (the fence lags one step),
+    at least `floor`, at most `cap` (pinned host memory beside the host tier), rounded up
+    to 64 MiB."""
+    want = min(max(2 * step_save_bytes, floor), cap)
+    return -(-want // (64 << 20)) * (64 << 20)
 
 
 def _unregister(ptr: int) -> None:
@@ -56,7 +66,10 @@ def _alloc_pinned(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torc
 
 class TwoTierCache:
     def __init__(self, cache: CacheConfig, num_layers: int, head_dim: int, num_rows: int,
-                 dtype: torch.dtype, device: torch.device, working_set_window: int = 12) -> None:
+                 dtype: torch.dtype, device: torch.device, working_set_window: int = 12,
+                 step_save_bytes: int = 0) -> None:
+        """step_save_bytes: the most prefill K + V one step can save (its prompt tokens x
+        layers x KV heads x head_dim x 2 x element size); sizes FlashD2H's staging ring."""
         self.window = working_set_window
         self.num_layers = num_layers
         self.page_size = ps = cache.page_size
@@ -102,13 +115,19 @@ class TwoTierCache:
         self.fused = device.type == "cuda"
         kw = {}
         if cache.d2h_method == "flash" and device.type == "cuda":
-            # two steps of prefill saves in flight (the fence lags one step), 8 scatter threads
-            kw = dict(staging_bytes=1 << 30, num_threads=8)
+            # two steps of prefill saves in flight (the fence lags one step), 8 scatter
+            # threads. A ring smaller than that stalls the step on the scatter: an MHA model
+            # (LWM-7B: 32 KV heads) saves ~1.07 GB in one 65,536 token-layer step, more than
+            # the 1 GiB ring that suits Llama-3-8B's 8 KV heads (268 MB)
+            kw = dict(staging_bytes=staging_ring_bytes(step_save_bytes), num_threads=8)
         self.saver = make_saver(cache.d2h_method, self.host_k, self.host_v, **kw)
         self._host_step = 0
         self._step_tickets: dict[int, int] = {}  # step -> its last save ticket
         # bytes of decode write-through (GPU-direct); the saver counts the rest
         self.direct_bytes_saved = torch.zeros((), dtype=torch.long, device=device)
+        # seconds the host spent blocked on saves (the step fence, free_pages): a host wait
+        # on the hot path, reported so it is seen
+        self.save_wait_s = 0.0
 
     # ---- per step -------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -120,14 +139,18 @@ class TwoTierCache:
         s = self._host_step
         ticket = self._step_tickets.pop(s - 2, None)
         if ticket:
+            t0 = time.perf_counter()
             self.saver.wait(ticket)
+            self.save_wait_s += time.perf_counter() - t0
         last = self.last_access
         aged = (self.step - self.window).clamp(min=0)
         last.copy_(torch.where(last == PENDING_SAVE + s % 2, aged, last))
 
     def wait_saves(self) -> None:
         """Every save issued so far has landed in DRAM."""
+        t0 = time.perf_counter()
         self.saver.wait_all()
+        self.save_wait_s += time.perf_counter() - t0
         self._step_tickets.clear()
 
     def free_pages(self, pages: np.ndarray) -> None:
@@ -311,7 +334,10 @@ class TwoTierCache:
         return {"cache_hits_total": hits, "cache_misses_total": misses,
                 "prefill_cache_hits_total": p_hits, "prefill_cache_misses_total": p_misses,
                 "bytes_loaded_total": nbytes, "bytes_saved_total": saved.bytes + direct,
-                "pages_loaded_total": pages, "resident_slots": resident}
+                "pages_loaded_total": pages, "resident_slots": resident,
+                # fences and free_pages, plus FlashD2H saves waiting for staging space
+                "save_wait_seconds_total": self.save_wait_s + getattr(self.saver,
+                                                                       "ring_stall_s", 0.0)}
 
     def check_invariants(self) -> None:
         """The residency index and the reverse map agree (tests; reads the device): every

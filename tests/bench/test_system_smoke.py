@@ -15,7 +15,8 @@ def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("system") / "system.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "system.py"), "--smoke",
-         "--out", str(out), "--configs", "dense,sparseserve", "--num-requests", "8"],
+         "--out", str(out), "--configs", "dense,sparseserve", "--num-requests", "8",
+         "--profile-steps", "2:4,6:7"],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
@@ -44,3 +45,20 @@ def test_table_printed_last(result):
     _, stdout = result
     tail = stdout[stdout.rindex("wrote "):]
     assert "dense" in tail and "sparseserve" in tail and "x dense" in tail
+
+
+def test_step_anatomy_recorded(result):
+    """Every step says what it ran and where its time went; the profiled steps carry a
+    profile whose chunks add up to the step's prefill work."""
+    r, _ = result
+    for name, rec in r["runs"].items():
+        for i, s in enumerate(rec["steps"]):
+            assert 0 < s["exec_s"] <= s["wall_s"], (name, i)
+            assert s["prefill_token_layers"] == sum(n * (l1 - l0) for n, _, l0, l1 in s["chunks"])
+            assert s["prefill_chunks"] == len(s["chunks"])
+            assert s["compiled"] == [] and s["device_allocs"] == 0  # CPU: no Triton, no CUDA
+            assert s["save_wait_s"] >= 0
+            assert ("profile" in s) == (i in (2, 3, 6)), (name, i)
+        prof = rec["steps"][2]["profile"]
+        assert prof["top_cpu"] and all(c[1] >= 1 for c in prof["top_cpu"])
+    assert all(s["save_wait_s"] == 0 for s in r["runs"]["dense"]["steps"])
