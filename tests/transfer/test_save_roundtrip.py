@@ -13,7 +13,9 @@ from sparseserve.transfer.common import count_page_runs, page_runs
 from . import DEV, PIN, batch_layout, filled, random_bits, same_bits, sync
 
 SAVERS = [("flash", dict(num_threads=3, staging_bytes=1 << 16, min_rows_per_part=16)),
-          ("memcpy", {}), ("gpu-direct", dict(backend="triton")), ("gpu-direct", dict(backend="torch"))]
+          ("memcpy", {}), ("gpu-direct", dict(backend="triton")),
+          ("gpu-direct", dict(backend="triton", side_stream=False)),
+          ("gpu-direct", dict(backend="torch"))]
 LOADERS = [("flash", "triton"), ("flash", "torch"), ("memcpy", None)]
 SENTINEL = 0x3C3C
 H, D, L = 2, 32, 2
