@@ -53,6 +53,8 @@ def engine_args(a, preset: str, device: str, dtype: str) -> dict:
         kw["token_budget"] = a.token_budget
     if preset in ("sparse-offload", "sparseserve"):
         kw["kv_offloading_size"] = a.host_gib
+        if a.d2h_method is not None:
+            kw["d2h_method"] = a.d2h_method
     return kw
 
 
@@ -212,6 +214,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     E.add_run_args(p, "JSON result path (the figure goes next to it, .png)", list(PRESETS))
     p.add_argument("--presets", default=None, help="alias of --only (run in this order)")
+    p.add_argument("--d2h-method", default=None, choices=["flash", "gpu-direct"],
+                   help="prefill saves of the offloaded presets (default: the preset's)")
     p.add_argument("--rates", default="0.5,1,2,inf", help="comma list of request rates (req/s; inf)")
     p.add_argument("--dataset-name", default="longbench", choices=["longbench", "random"])
     p.add_argument("--num-prompts", type=int, default=24)

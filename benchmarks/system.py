@@ -6,7 +6,7 @@ Traces (every request arrives at t=0, greedy, ignore_eos):
   long32  32 requests, prompts uniform in [8k, 16k], 512 output tokens
 Configurations: the presets (dense, sparse, sparse-offload, sparseserve) and ablations of the
 full system (sparseserve-chunked: no layer-segmented prefill; sparseserve-no-wc: no
-working-set control). The device KV budget is the same for all (default 20 GiB, an
+working-set control; sparseserve-direct: GPU-direct prefill saves instead of FlashD2H). The device KV budget is the same for all (default 20 GiB, an
 A100-40GB-like budget); the host tier is sized for the trace. Ratios are to `dense` in the
 same run.
 
@@ -36,6 +36,8 @@ CONFIGS = {
     "sparseserve": dict(preset="sparseserve"),
     "sparseserve-chunked": dict(preset="sparseserve", layer_segmented_prefill=False),
     "sparseserve-no-wc": dict(preset="sparseserve", working_set_control=False),
+    # prefill saves by GPU-direct writes from a side stream instead of FlashD2H's CPU scatter
+    "sparseserve-direct": dict(preset="sparseserve", d2h_method="gpu-direct"),
 }
 TRACES = ("mix40", "long32")
 
