@@ -50,6 +50,9 @@ class InProcessBackend:
         from sparseserve.server.metrics import ServerMetrics
 
         metrics = ServerMetrics(self.model, max_model_len=self.max_model_len, process_metrics=False)
+        # the engine may have run before (warm-up, an earlier point): its counters are totals
+        # since it started, and this run's /metrics must hold only this run's share
+        metrics.start_from(self._engine.get_stats())
         self.async_engine = AsyncLLMEngine(self._engine, metrics=metrics).start()
 
     async def close(self) -> None:

@@ -146,6 +146,12 @@ class ServerMetrics:
 
     # ---------------------------------------------------------------- engine-wide
 
+    def start_from(self, stats: dict[str, Any]) -> None:
+        """Count engine totals from `stats` on (an engine that already ran: a benchmark's
+        next point): later update_stats calls add only what happened since."""
+        for key in _STAT_COUNTERS:
+            self._last_totals[key] = float(stats.get(key, 0) or 0)
+
     def update_stats(self, stats: dict[str, Any], extra_waiting: int = 0) -> None:
         self.num_running.set(stats.get("num_running", 0))
         self.num_waiting.set(stats.get("num_waiting", 0) + extra_waiting)

@@ -38,6 +38,12 @@ def test_serving_smoke(tmp_path):
             # every request completed: the engine's token count is vLLM's output throughput
             assert p["out_tok_s"] == pytest.approx(p["output_throughput"])
         assert r["presets"][name]["goodput_rate"] in rates + [None]
+        # the server counters are each point's own (the engine ran the warm-up and the
+        # earlier points before): the same requests at each rate save the same KV bytes
+        sm = [p["server_metrics"] for p in pts]
+        assert sm[0]["prompt_tokens"] == sm[1]["prompt_tokens"] > 0
+        if name == "sparseserve":
+            assert sm[0]["bytes_saved"] == sm[1]["bytes_saved"] > 0
     c = r["comparison"]["sparseserve"]
     assert [x["rate"] for x in c["per_rate"]] == rates
     assert all(x["ttft_ratio_quality"] == "exact" for x in c["per_rate"])
