@@ -80,14 +80,9 @@ class SharedText:
         head_ok = (pt % self.hkv) == torch.arange(self.hkv).view(1, -1, 1)
         return bool(((head_ok & (pt < self.nb * self.hkv) & (pt >= 0)) | ~valid).all())
 
-    def attend(self, q, k_cache, v_cache, page_table, num_pages, last_page_len, scale,
-               out=None, fallback=None):
-        """paged_decode_attention's contract, computed from the shared q·K product."""
-        layer = self.layer_of.get(k_cache.data_ptr())
-        if layer is None or scale != self.scale or not self.covers(page_table, num_pages):
-            return fallback(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale,
-                            out)
-        b, hq, d = q.shape
+    def _attended_logits(self, layer, q, page_table, num_pages, last_page_len):
+        """[B, Hkv, G, N] the shared scaled logits, -inf outside the attended tokens."""
+        b = q.shape[0]
         w = page_table.shape[2]
         s, _ = self._scores(layer, q)
         valid = torch.arange(w).view(1, 1, w) < num_pages.long().unsqueeze(-1)
@@ -99,13 +94,34 @@ class SharedText:
         seq_len = last_block * self.ps + last_page_len.long().view(-1, 1, 1)  # [B, Hkv, 1]
         tok = torch.arange(self.nb * self.ps).view(1, 1, -1)
         mask = sel[..., :self.nb].repeat_interleave(self.ps, dim=2) & (tok < seq_len)
-        p = torch.softmax(s.masked_fill(~mask.unsqueeze(2), float("-inf")), dim=-1)
+        return s.masked_fill(~mask.unsqueeze(2), float("-inf"))
+
+    def attend(self, q, k_cache, v_cache, page_table, num_pages, last_page_len, scale,
+               out=None, fallback=None):
+        """paged_decode_attention's contract, computed from the shared q·K product."""
+        layer = self.layer_of.get(k_cache.data_ptr())
+        if layer is None or scale != self.scale or not self.covers(page_table, num_pages):
+            return fallback(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale,
+                            out)
+        b, hq, d = q.shape
+        s = self._attended_logits(layer, q, page_table, num_pages, last_page_len)
+        p = torch.softmax(s, dim=-1)
         o = torch.einsum("bhgn,hnd->bhgd", p, self._text(v_cache)).reshape(b, hq, d)
         o = o.to(q.dtype)
         if out is None:
             return o
         out.copy_(o)
         return out
+
+    def attend_lse(self, q, k_cache, page_table, num_pages, last_page_len, scale,
+                   fallback=None):
+        """paged_decode_lse's contract ([B, Hq] log-sum-exp of the attended logits), from
+        the shared q·K product."""
+        layer = self.layer_of.get(k_cache.data_ptr())
+        if layer is None or scale != self.scale or not self.covers(page_table, num_pages):
+            return fallback(q, k_cache, page_table, num_pages, last_page_len, scale)
+        s = self._attended_logits(layer, q, page_table, num_pages, last_page_len)
+        return torch.logsumexp(s, dim=-1).reshape(q.shape[0], q.shape[1])
 
 
 class SharedOracle(Oracle):
@@ -184,6 +200,7 @@ def fast_decode_attention(shared: SharedText):
     """A decode attention for `ModelRunner.hooked(decode_attention=...)`: shared.attend for rows
     of the shared text, the engine kernel for anything else."""
     from sparseserve.kernels import paged_decode_attention as engine_kernel
+    from sparseserve.kernels import ref
 
     def attend(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale, out=None,
                **kw):
@@ -193,6 +210,11 @@ def fast_decode_attention(shared: SharedText):
         return shared.attend(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale,
                              out, fallback=engine_kernel)
 
+    def lse(q, k_cache, page_table, num_pages, last_page_len, scale):
+        return shared.attend_lse(q, k_cache, page_table, num_pages, last_page_len, scale,
+                                 fallback=ref.paged_decode_lse)
+
+    attend.lse = lse  # the exact part's log-sum-exp, for an estimating algorithm's merge
     return attend
 
 

@@ -145,7 +145,9 @@ class TailHarness:
             if a != query_algo:
                 rt = self._runtime(SparseConfig(a))
                 for layer in range(self.num_layers):
-                    rt.algorithm.index(runner.kv.k[layer], ids, ntok, rt.summaries[layer], None)
+                    values = {"v_cache": runner.kv.v[layer]} if rt.algorithm.uses_values else {}
+                    rt.algorithm.index(runner.kv.k[layer], ids, ntok, rt.summaries[layer], None,
+                                       **values)
                 summaries[a] = [dict(s.tensors) for s in rt.summaries]
         return Prepared(list(tokens), prefix_len, base, summaries)
 

@@ -24,7 +24,8 @@ every algorithm. What an algorithm controls:
   the log-sum-exp of the estimated logits of what was *not* selected and the matching
   (unnormalised-then-normalised) value estimate; the engine merges it with the exact attention
   over the selected pages through log-sum-exp (``kernels.ref.merge_attention``). ``None`` (the
-  default) means exact attention over the selection only.
+  default) means exact attention over the selection only. Value summaries need the values:
+  an algorithm with ``uses_values`` gets ``index(..., v_cache=)`` (``sparse/retroinfer.py``).
 
 Worked example — Quest with two boxes per page, complete (``sparse/subpage.py`` registers the
 real ones through ``Quest.box_tokens``; their fused kernel is ``kernels.select_pages(...,
@@ -127,6 +128,10 @@ class SparseAlgorithm:
     name = "base"
     summary_names: tuple[str, ...] = ()
     uses_queries = False  # index() wants the queries of the tokens that filled each page
+    # index() wants the filled pages' values too: the engine passes ``v_cache=`` (the V pages,
+    # laid out like k_cache) to such an algorithm only, so value summaries (e.g. the per-cluster
+    # value means an estimate needs) live in summaries like any other
+    uses_values = False
     estimates = False  # estimate() contributes the unselected mass (see the module docstring)
 
     def __init__(self, page_size: int, budget_pages: int, sink_pages: int,
@@ -167,7 +172,8 @@ class SparseAlgorithm:
 
         page_ids [N] int32 (< 0 = masked lane), num_tokens [N] int32 (valid tokens, usually
         page_size); queries [N, G, D] or None: the queries of the KV head's group at the
-        position that filled each page (InfLLM-style algorithms use them)."""
+        position that filled each page (InfLLM-style algorithms use them). An algorithm with
+        ``uses_values`` takes a keyword ``v_cache`` too (the V pages, indexed like k_cache)."""
 
     def score(self, q: torch.Tensor, page_table: torch.Tensor, num_pages: torch.Tensor,
               last_page_len: torch.Tensor, summaries: LayerSummaries,
@@ -182,7 +188,13 @@ class SparseAlgorithm:
         (o_est [B, Hq, D] float32, lse_est [B, Hq] float32) — the normalised value estimate
         and the log-sum-exp of the estimated logits (at ``scale``) of the unselected tokens,
         ``-inf`` where nothing is estimated. Merged with the exact attention over ``sel`` by
-        ``kernels.ref.merge_attention``. Default: nothing (exact attention only)."""
+        ``kernels.ref.merge_attention``. Default: nothing (exact attention only).
+
+        The engine calls it after attend, for an algorithm with ``estimates``, with the decode
+        queries, ``select``'s Selection and the page table / num_pages ``select`` got (logical
+        pages in order, the ids summaries are indexed by), then merges with the exact part's
+        log-sum-exp (``ref.paged_decode_lse`` over the attended pages). The estimated tokens
+        must be disjoint from the selection: with every page selected it returns -inf."""
         return None
 
     # ---- shared select --------------------------------------------------------------------

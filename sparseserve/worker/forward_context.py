@@ -15,6 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from sparseserve.kernels import paged_decode_attention
+from sparseserve.kernels.ref import merge_attention, paged_decode_lse
 from sparseserve.worker.sparse_runtime import SparseRuntime
 from sparseserve.worker.page_directory import PageDirectory
 
@@ -65,7 +66,9 @@ class ForwardContext:
         self.sparse = sparse
         # evaluation hooks (set through ModelRunner.hooked): f(layer, q, selection, ctx) after
         # every sparse decode selection, and the decode attention (paged_decode_attention's
-        # contract; this class's decode rows only, not the two-tier cache's)
+        # contract; this class's decode rows only, not the two-tier cache's; an ``lse``
+        # attribute on it, paged_decode_lse's contract, replaces that too where an estimating
+        # algorithm's merge needs the exact part's log-sum-exp)
         self.on_select = None
         self.decode_attention = paged_decode_attention
         self.pages = pages
@@ -142,6 +145,10 @@ class ForwardContext:
                 self.on_select(layer, q[:nd], sel, self)
             out[:nd] = self.decode_attention(q[:nd], k_cache, v_cache, sel.page_table,
                                              sel.num_pages, sel.last_page_len, self.scale)
+            if self.sparse.algorithm.estimates:
+                lse = getattr(self.decode_attention, "lse", paged_decode_lse)
+                out[:nd] = self._merge_estimate(q[:nd], out[:nd], sel, k_cache, sel.page_table,
+                                                self.sparse.summaries[layer], lse)
         elif nd:
             # the Triton kernel on GPU, its torch reference on CPU
             out[:nd] = self.decode_attention(q[:nd], k_cache, v_cache, self.dec_page_table,
@@ -149,6 +156,19 @@ class ForwardContext:
         for p in self.prefills:
             out[p.q_start:p.q_end] = self._prefill(p, q, k, v, k_cache, v_cache)
         return out
+
+    def _merge_estimate(self, q: torch.Tensor, o_sel: torch.Tensor, sel, k_cache: torch.Tensor,
+                        attended: torch.Tensor, summaries, lse_fn=paged_decode_lse) -> torch.Tensor:
+        """The exact attention over the selection ``o_sel`` [B, Hq, D] merged by log-sum-exp
+        with the algorithm's estimate of the unselected tokens (``SparseAlgorithm.estimate``):
+        ``attended`` [B, Hkv, W'] is the table attend read ``k_cache`` through (the selection's
+        pages here, device slots under offload). Fixed shapes, no host sync."""
+        est = self.sparse.algorithm.estimate(q, sel, self.dec_page_table, self.dec_num_pages,
+                                             summaries, self.scale)
+        if est is None:
+            return o_sel
+        lse_sel = lse_fn(q, k_cache, attended, sel.num_pages, sel.last_page_len, self.scale)
+        return merge_attention(o_sel, lse_sel, est[0], est[1])
 
     def _index(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor) -> None:
         queries = None
@@ -161,8 +181,10 @@ class ForwardContext:
             acc = torch.zeros((e + 1, hq, d), dtype=torch.float32, device=q.device)
             acc.index_add_(0, target, q.float())
             queries = acc[:e].view(e, hkv, hq // hkv, d).reshape(-1, hq // hkv, d)  # [E*Hkv, G, D]
-        self.sparse.algorithm.index(k_cache, self.fill_ids, self.fill_tokens,
-                                    self.sparse.summaries[layer], queries)
+        algo = self.sparse.algorithm
+        values = {"v_cache": self.kv.v[layer]} if algo.uses_values else {}
+        algo.index(k_cache, self.fill_ids, self.fill_tokens, self.sparse.summaries[layer],
+                   queries, **values)
 
     def _prefill(self, p: PrefillSeq, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

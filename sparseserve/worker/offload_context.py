@@ -69,8 +69,12 @@ class OffloadForwardContext(ForwardContext):
         last_slot = store_decode_tokens(slots, sel.num_pages, self.store_offsets[:q.shape[0]]
                                         .view(-1), k, v, dev_k, dev_v)  # [B, Hkv]
         self._index_decode_fills(layer, q, last_slot, summaries)
-        return paged_decode_attention(q, dev_k, dev_v, slots.to(torch.int32), sel.num_pages,
-                                      sel.last_page_len, self.scale)
+        slots = slots.to(torch.int32)
+        out = paged_decode_attention(q, dev_k, dev_v, slots, sel.num_pages, sel.last_page_len,
+                                     self.scale)
+        if self.sparse.algorithm.estimates:  # summaries are in HBM: no page is loaded for it
+            out = self._merge_estimate(q, out, sel, dev_k, slots, summaries)
+        return out
 
     def _decode_plan(self) -> dict[str, torch.Tensor]:
         """What the decode rows' bookkeeping needs that depends on positions only: computed
@@ -101,16 +105,21 @@ class OffloadForwardContext(ForwardContext):
         plan = self._decode_plan()
         # gather the n candidate pages, so the scratch table has n + 1 rows, not one per slot
         pages_k = self.cache.dev_k[layer][last_slot.reshape(-1)]  # [n, page_size, D]
+        pages_v = None
+        if self.sparse.algorithm.uses_values:
+            pages_v = self.cache.dev_v[layer][last_slot.reshape(-1)]
         queries = None
         if self.sparse.algorithm.uses_queries:
             queries = q.float().view(nd, hkv, -1, q.shape[-1]).reshape(nd * hkv, -1, q.shape[-1])
         self._index_via_scratch(pages_k, plan["read"], plan["host_ids"], plan["ntok"],
-                                summaries, queries)
+                                summaries, queries, pages_v)
 
     def _index_via_scratch(self, k_pages: torch.Tensor, read_ids: torch.Tensor,
                            host_ids: torch.Tensor, ntok: torch.Tensor,
-                           summaries: LayerSummaries, queries: torch.Tensor | None) -> None:
-        """index() reads and writes the same row ids; here page i of k_pages [n, ps, D] is
+                           summaries: LayerSummaries, queries: torch.Tensor | None,
+                           v_pages: torch.Tensor | None = None) -> None:
+        """index() reads and writes the same row ids; here page i of k_pages [n, ps, D] (and
+        of v_pages, for an algorithm that ``uses_values``) is
         summarised (read_ids[i] = i, or -1: skipped) and its summary belongs at host_ids[i]
         [n] int64 (the scratch page for skipped entries), so go through a scratch table of
         n + 1 rows — the last is where index() sends skipped lanes, so they never share a row
@@ -123,7 +132,9 @@ class OffloadForwardContext(ForwardContext):
             return
         scratch = LayerSummaries(_zeros_like_rows(tensors, n + 1), summaries.shapes)
         algo = self.sparse.algorithm
-        algo.index(k_pages, read_ids, ntok, scratch, queries if algo.uses_queries else None)
+        values = {"v_cache": v_pages} if algo.uses_values else {}
+        algo.index(k_pages, read_ids, ntok, scratch, queries if algo.uses_queries else None,
+                   **values)
         for name, t in tensors.items():
             t.index_copy_(0, host_ids, scratch[name][:n])
         torch._foreach_zero_([t[self.cache.scratch_page] for t in tensors.values()])
@@ -165,6 +176,9 @@ class OffloadForwardContext(ForwardContext):
         if b1 > b0:  # pages completed by this chunk, summarised from the contiguous K
             nf = b1 - b0
             pages_k = ks[:, b0 * ps:b1 * ps].reshape(hkv * nf, ps, -1).contiguous()
+            pages_v = None
+            if self.sparse.algorithm.uses_values:
+                pages_v = vs[:, b0 * ps:b1 * ps].reshape(hkv * nf, ps, -1).contiguous()
             host_ids = pages[:, b0:b1].reshape(-1)
             fill_pos = torch.arange(b0, b1, device=dev) * ps + ps - 1 - p.start
             qf = q[p.q_start:p.q_end][fill_pos].float()  # [nf, Hq, D]
@@ -172,7 +186,7 @@ class OffloadForwardContext(ForwardContext):
                 hkv * nf, -1, qf.shape[-1])
             read = torch.arange(hkv * nf, device=dev, dtype=torch.int32)
             self._index_via_scratch(pages_k, read, host_ids.long(), torch.full_like(read, ps),
-                                    summaries, queries)
+                                    summaries, queries, pages_v)
         return self._sdpa(q[p.q_start:p.q_end].transpose(0, 1), ks, vs, p.start)
 
 

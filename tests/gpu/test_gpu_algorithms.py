@@ -117,7 +117,7 @@ def _pool(algo, B, Hq, Hkv, D, ps, W, gen, device="cuda"):
     ids = torch.arange(P, dtype=torch.int32, device=device)
     full = torch.full((P,), ps, dtype=torch.int32, device=device)
     q_fill = torch.randn(P, Hq // Hkv, D, generator=gen).to(device) if alg.uses_queries else None
-    alg.index(k, ids, full, summ, q_fill)
+    alg.index(k, ids, full, summ, q_fill, **({"v_cache": v} if alg.uses_values else {}))
     return alg, k, v, summ
 
 
