@@ -86,19 +86,7 @@ def shared_retroinfer_class(cls):
     return SharedRetroInfer
 
 
-_orig_fast = fidelity_tail._fast_algorithm
-
-
-def _fast_algorithm(a, shared):
-    if isinstance(a, RetroInfer):
-        fast = shared_retroinfer_class(type(a))(a.page_size, a.budget_pages, a.sink_pages,
-                                                a.local_pages)
-        fast.shared = shared
-        return fast
-    return _orig_fast(a, shared)
-
-
-fidelity_tail._fast_algorithm = _fast_algorithm
+fidelity_tail.register_fast(RetroInfer, shared_retroinfer_class)
 
 if __name__ == "__main__":
     from sparseserve.bench.fidelity_cli import main

@@ -73,19 +73,7 @@ def shared_shadowkv_class(cls):
     return SharedShadowKV
 
 
-_orig_fast = fidelity_tail._fast_algorithm
-
-
-def _fast_algorithm(a, shared):
-    if isinstance(a, ShadowKV):
-        fast = shared_shadowkv_class(type(a))(a.page_size, a.budget_pages, a.sink_pages,
-                                              a.local_pages)
-        fast.shared = shared
-        return fast
-    return _orig_fast(a, shared)
-
-
-fidelity_tail._fast_algorithm = _fast_algorithm
+fidelity_tail.register_fast(ShadowKV, shared_shadowkv_class)
 
 
 def main(argv=None) -> int:

@@ -229,6 +229,17 @@ class TailHarness:
             return torch.cat(out)
 
 
+# algorithm base class -> f(the algorithm's class) -> its shared-text twin; evaluation scripts
+# add theirs with register_fast (benchmarks/fidelity_shadowkv.py, fidelity_retroinfer.py)
+_FAST_TWINS: list[tuple[type, object]] = []
+
+
+def register_fast(base: type, make_twin) -> None:
+    """Score `base` algorithms (and subclasses) from the shared text: make_twin(cls) -> a
+    subclass of cls reading `self.shared` (checked against the generic path by its author)."""
+    _FAST_TWINS.append((base, make_twin))
+
+
 def _fast_algorithm(a, shared: SharedText):
     """The same selection, scored from the shared text (fidelity_shared), where one exists."""
     if isinstance(a, Oracle):
@@ -238,7 +249,10 @@ def _fast_algorithm(a, shared: SharedText):
     elif isinstance(a, KeyCodes):
         cls = shared_codes_class(type(a))
     else:
-        return a
+        make = next((m for base, m in _FAST_TWINS if isinstance(a, base)), None)
+        if make is None:
+            return a
+        cls = make(type(a))
     fast = cls(a.page_size, a.budget_pages, a.sink_pages, a.local_pages)
     fast.shared = shared
     return fast
