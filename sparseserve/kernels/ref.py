@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "head_bounds",
+__all__ = ["paged_decode_attention", "paged_decode_plan", "paged_decode_planned", "update_page_summaries", "score_pages", "head_bounds",
            "sub_bounds", "sub_table", "sub_page_rows", "mass_from_bounds", "page_mass",
            "select_pages", "merge_attention", "paged_decode_lse", "code_page_bounds",
            "SCORE_MODES"]
@@ -53,22 +53,43 @@ def paged_decode_attention(q, k_cache, v_cache, page_table, num_pages, last_page
         out: [B, Hq, D] in q's dtype = softmax(scale * q K^T) V over the selected tokens,
         computed in fp32.
     """
-    B, Hq, D = q.shape
-    _, Hkv, W = page_table.shape
-    page_size = k_cache.shape[1]
-    G = Hq // Hkv
+    plan = paged_decode_plan(page_table, num_pages, last_page_len, k_cache.shape[1])
+    return paged_decode_planned(q, k_cache, v_cache, plan, scale, out)
+
+
+def paged_decode_plan(page_table, num_pages, last_page_len, page_size):
+    """The layer-independent part of ``paged_decode_attention`` (which tokens are attended):
+    computed once per step and passed to ``paged_decode_planned`` by every layer.
+
+    Returns (ids [B * Hkv * W] int64 page to read per entry (0 past num_pages),
+    drop_s [B, Hkv, 1, W * page_size] bool (tokens not attended), drop_v [B, Hkv, W *
+    page_size, 1] bool (its transpose), B, Hkv, W)."""
+    B, Hkv, W = page_table.shape
     valid = _valid_token_mask(num_pages, last_page_len, W, page_size)          # [B, Hkv, W, ps]
-    entry_ok = valid[..., 0]                                                   # [B, Hkv, W]
-    ids = torch.where(entry_ok, page_table.to(torch.long), 0)                   # [B, Hkv, W]
-    k = k_cache[ids].float().reshape(B, Hkv, W * page_size, D)                 # [B, Hkv, N, D]
-    v = v_cache[ids].float().reshape(B, Hkv, W * page_size, D)                 # [B, Hkv, N, D]
-    qf = q.float().view(B, Hkv, G, D)                                          # [B, Hkv, G, D]
-    s = torch.einsum("bhgd,bhnd->bhgn", qf, k) * scale                         # [B, Hkv, G, N]
-    mask = valid.reshape(B, Hkv, 1, W * page_size)
-    s = s.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    v = v.masked_fill(~mask.transpose(-1, -2), 0.0)            # garbage V never leaks (0 * NaN)
-    o = torch.einsum("bhgn,bhnd->bhgd", p, v).reshape(B, Hq, D).to(q.dtype)
+    ids = torch.where(valid[..., 0], page_table.to(torch.long), 0).reshape(-1)  # [B*Hkv*W]
+    drop = ~valid.reshape(B, Hkv, 1, W * page_size)
+    return ids, drop, drop.transpose(-1, -2), B, Hkv, W
+
+
+def paged_decode_planned(q, k_cache, v_cache, plan, scale, out=None):
+    """``paged_decode_attention`` with its ``paged_decode_plan`` precomputed: a dozen ops."""
+    ids, drop_s, drop_v, B, Hkv, W = plan
+    Hq, D = q.shape[1], q.shape[2]
+    N = W * k_cache.shape[1]
+    k = k_cache.index_select(0, ids)                                           # [B*Hkv*W, ps, D]
+    v = v_cache.index_select(0, ids)
+    if k.dtype != torch.float32:
+        k, v = k.float(), v.float()
+    k = k.view(B, Hkv, N, D)                                                   # [B, Hkv, N, D]
+    v = v.view(B, Hkv, N, D)
+    qf = q if q.dtype == torch.float32 else q.float()
+    qf = qf.reshape(B, Hkv, Hq // Hkv, D)                                      # [B, Hkv, G, D]
+    s = torch.matmul(qf, k.transpose(-1, -2)) * scale                          # [B, Hkv, G, N]
+    p = torch.softmax(s.masked_fill_(drop_s, float("-inf")), dim=-1)
+    v = v.masked_fill_(drop_v, 0.0)                             # garbage V never leaks (0 * NaN)
+    o = torch.matmul(p, v).view(B, Hq, D)
+    if o.dtype != q.dtype:
+        o = o.to(q.dtype)
     if out is None:
         return o
     out.copy_(o)

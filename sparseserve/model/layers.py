@@ -5,6 +5,7 @@ import math
 from typing import Any, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -16,9 +17,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 like transformers, then cast back before the weight multiply.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # One fused op (x * rsqrt(mean(x^2) + eps) * weight) where no cast is needed.
+        shape = (x.shape[-1],)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), shape, eps=self.eps).to(x.dtype)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float,
@@ -58,6 +61,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inverse_frequencies(head_dim, theta, scaling),
                              persistent=False)
         self._table: torch.Tensor | None = None
+        self._full: torch.Tensor | None = None
 
     def table(self, device: torch.device) -> torch.Tensor:
         # [max_positions, head_dim]: cos in the first half, sin in the second
@@ -67,21 +71,35 @@ class RotaryEmbedding(nn.Module):
             self._table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         return self._table
 
+    def full_table(self, device: torch.device) -> torch.Tensor:
+        # [max_positions, 2, head_dim]: (cos, cos) and (-sin, sin), the rotate-half factors
+        if self._full is None or self._full.device != device:
+            cos, sin = self.table(device).chunk(2, dim=-1)
+            self._full = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], 1)
+        return self._full
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotation factors of `positions` [T]: cos [T, 1, D], signed sin [T, 1, D].
+        Once per step (every layer rotates with the same ones)."""
+        cs = self.full_table(positions.device)[positions]  # [T, 2, D]
+        return cs[:, 0:1], cs[:, 1:2]
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; q [T, Hq, D]; k [T, Hkv, D]
-        cos_sin = self.table(q.device)[positions]  # [T, D]
-        cos, sin = cos_sin.chunk(2, dim=-1)
-        cos = cos.unsqueeze(1)
-        sin = sin.unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cs = self.cos_sin(positions)
+        return rotate(q, cs), rotate(k, cs)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
+def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, H, D] with `RotaryEmbedding.cos_sin`'s factors, in fp32:
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), as x * (cos, cos) + (x2, x1) * (-sin, sin)
+    (the same roundings: negating is exact)."""
+    cos, sin = cos_sin
+    xf = x if x.dtype == torch.float32 else x.float()
     x1, x2 = xf.chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(x.dtype)
+    out = xf * cos + torch.cat([x2, x1], dim=-1) * sin
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 class GatedMLP(nn.Module):

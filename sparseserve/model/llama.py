@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from sparseserve.config import ModelConfig
-from sparseserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from sparseserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, rotate
 from sparseserve.model.parallel import (VOCAB_PARALLEL, TensorParallel, shard_spec,
                                         take_shard, vocab_shard)
 
@@ -47,13 +47,14 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 ctx: AttentionContext) -> torch.Tensor:
+        # cos_sin: RotaryEmbedding.cos_sin of the tokens' positions (once per step)
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = rotate(q, cos_sin), rotate(k, cos_sin)
         out = ctx.attention(self.layer, q, k, v)  # [T, Hq, D]
         out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -67,10 +68,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 ctx: AttentionContext) -> torch.Tensor:
         # h is the residual stream [T, hidden]
-        h = h + self.self_attn(self.input_layernorm(h), positions, rope, ctx)
+        h = h + self.self_attn(self.input_layernorm(h), cos_sin, ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -115,8 +116,9 @@ class LlamaForCausalLM(nn.Module):
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                    start: int, end: int) -> torch.Tensor:
         """Run layers [start, end) over the residual stream h [T, hidden]."""
+        cos_sin = self.rope.cos_sin(positions)  # every layer rotates with the same factors
         for layer in self.model.layers[start:end]:
-            h = layer(h, positions, self.rope, ctx)
+            h = layer(h, cos_sin, ctx)
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from sparseserve.kernels import paged_decode_attention
-from sparseserve.kernels.ref import merge_attention, paged_decode_lse
+from sparseserve.kernels.ref import (merge_attention, paged_decode_lse, paged_decode_plan,
+                                    paged_decode_planned)
 from sparseserve.worker.sparse_runtime import SparseRuntime
 from sparseserve.worker.page_directory import PageDirectory
 
@@ -75,6 +76,7 @@ class ForwardContext:
         self.num_decode = num_decode
         self.prefills = prefills
         self.scale = scale
+        self._dec_plan = None  # the CPU decode path's per-step plan (_dense_decode)
         ps = kv.page_size
         hkv = pages.num_kv_heads
         # where each token's K/V lands: page [T, Hkv] and offset [T, 1] within it
@@ -135,8 +137,10 @@ class ForwardContext:
         sparse = self.sparse is not None and self.sparse.is_sparse(layer)
         if sparse and self.fill_ids is not None:
             self._index(layer, q, k_cache)
-        out = torch.empty_like(q)
         nd = self.num_decode
+        if nd and not sparse and not self.prefills:
+            return self._dense_decode(q, k_cache, v_cache)  # a decode-only batch: no copy
+        out = torch.empty_like(q)
         if nd and sparse:
             sel = self.sparse.algorithm.select(q[:nd], self.dec_page_table, self.dec_num_pages,
                                                self.dec_last_len, self.sparse.summaries[layer],
@@ -151,11 +155,23 @@ class ForwardContext:
                                                 self.sparse.summaries[layer], lse)
         elif nd:
             # the Triton kernel on GPU, its torch reference on CPU
-            out[:nd] = self.decode_attention(q[:nd], k_cache, v_cache, self.dec_page_table,
-                                             self.dec_num_pages, self.dec_last_len, self.scale)
+            out[:nd] = self._dense_decode(q[:nd], k_cache, v_cache)
         for p in self.prefills:
             out[p.q_start:p.q_end] = self._prefill(p, q, k, v, k_cache, v_cache)
         return out
+
+    def _dense_decode(self, q: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor) -> torch.Tensor:
+        """Dense decode attention of the decode rows q [nd, Hq, D]. On the CPU path (the torch
+        reference, no hook) the layer-independent part (which tokens are attended) is
+        planned once per step and reused by every layer."""
+        if self.decode_attention is not paged_decode_attention or q.is_cuda:
+            return self.decode_attention(q, k_cache, v_cache, self.dec_page_table,
+                                         self.dec_num_pages, self.dec_last_len, self.scale)
+        if self._dec_plan is None:
+            self._dec_plan = paged_decode_plan(self.dec_page_table, self.dec_num_pages,
+                                               self.dec_last_len, self.kv.page_size)
+        return paged_decode_planned(q, k_cache, v_cache, self._dec_plan, self.scale)
 
     def _merge_estimate(self, q: torch.Tensor, o_sel: torch.Tensor, sel, k_cache: torch.Tensor,
                         attended: torch.Tensor, summaries, lse_fn=paged_decode_lse) -> torch.Tensor:
