@@ -102,6 +102,36 @@ def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
+def fuse_linears(owner: nn.Module, name: str, linears: list[nn.Linear]) -> None:
+    """Make the weights (and biases) of `linears` views of one [sum(out), in] buffer
+    `owner.<name>_weight` (`<name>_bias`), so one GEMM computes all their outputs while the
+    parameters keep their names, shapes and loaders (they copy into the views). Their current
+    values are kept. A non-persistent buffer: state dicts are unchanged. `fused_ok` tells
+    whether the views still alias the buffer (a `.to()` / `_apply` replaces each tensor)."""
+    w = torch.cat([lin.weight.detach() for lin in linears])
+    owner.register_buffer(name + "_weight", w, persistent=False)
+    has_bias = linears[0].bias is not None
+    b = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+    owner.register_buffer(name + "_bias", b, persistent=False)
+    start = 0
+    for lin in linears:
+        n = lin.out_features
+        lin.weight = nn.Parameter(w[start:start + n], requires_grad=lin.weight.requires_grad)
+        if has_bias:
+            lin.bias = nn.Parameter(b[start:start + n], requires_grad=lin.bias.requires_grad)
+        start += n
+
+
+def fused_ok(weight: torch.Tensor, linears: list[nn.Linear]) -> bool:
+    """Whether `linears`' weights are still the consecutive row blocks of `weight`."""
+    ptr, row = weight.data_ptr(), weight.stride(0) * weight.element_size()
+    for lin in linears:
+        if lin.weight.data_ptr() != ptr:
+            return False
+        ptr += lin.out_features * row
+    return True
+
+
 class GatedMLP(nn.Module):
     """SiLU-gated MLP. With `tp` (a model.parallel.TensorParallel) gate/up are column-parallel
     and down row-parallel over intermediate_size / tp.size columns, then one all-reduce."""
@@ -114,7 +144,14 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.intermediate = intermediate_size
+        with torch.no_grad():
+            fuse_linears(self, "gate_up", [self.gate_proj, self.up_proj])  # one GEMM for both
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        if fused_ok(self.gate_up_weight, [self.gate_proj, self.up_proj]):
+            gate, up = F.linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        out = self.down_proj(F.silu(gate) * up)
         return out if self.tp is None else self.tp.all_reduce(out)

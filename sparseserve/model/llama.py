@@ -16,10 +16,12 @@ from __future__ import annotations
 from typing import Iterable, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sparseserve.config import ModelConfig
-from sparseserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, rotate
+from sparseserve.model.layers import (GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears,
+                                      fused_ok, rotate)
 from sparseserve.model.parallel import (VOCAB_PARALLEL, TensorParallel, shard_spec,
                                         take_shard, vocab_shard)
 
@@ -46,15 +48,22 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        with torch.no_grad():  # q, k, v: views of one weight, one GEMM
+            fuse_linears(self, "qkv", [self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 ctx: AttentionContext) -> torch.Tensor:
         # cos_sin: RotaryEmbedding.cos_sin of the tokens' positions (once per step)
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotate(q, cos_sin), rotate(k, cos_sin)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if fused_ok(self.qkv_weight, [self.q_proj, self.k_proj, self.v_proj]):
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(t, hq + 2 * hkv, d)
+            qk = rotate(qkv[:, :hq + hkv], cos_sin)  # q and k in one rotation
+            q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
+        else:
+            q = rotate(self.q_proj(x).view(t, hq, d), cos_sin)
+            k = rotate(self.k_proj(x).view(t, hkv, d), cos_sin)
+            v = self.v_proj(x).view(t, hkv, d)
         out = ctx.attention(self.layer, q, k, v)  # [T, Hq, D]
         out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
         return out if self.tp is None else self.tp.all_reduce(out)
