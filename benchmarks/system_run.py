@@ -18,9 +18,10 @@ class StepRecorder:
     """Wraps the engine's executor.execute (an instance attribute shadowing the method; any
     tensor_parallel_size) to record what each step scheduled — decode rows, prefill
     token-layers, each prefill chunk as [tokens, start, layer_start, layer_end] — and the
-    step's anatomy: seconds inside execute (launch + device until the token copy), Triton
-    kernels compiled and device allocations (cudaMalloc) during it. A step much slower than
-    its work shows here why: host-side, compiling, or allocating."""
+    step's anatomy: seconds inside execute (launch + device until the token copy) and the
+    Triton kernels compiled during it (run_trace adds the step's cudaMalloc calls, read
+    outside the timed step). A step much slower than its work shows here why: host-side,
+    compiling, or allocating."""
 
     def __init__(self, runner, num_layers: int) -> None:
         self.runner = runner
@@ -40,13 +41,12 @@ class StepRecorder:
                      "prefill_chunks": len(pre_chunks),
                      "chunks": [[c.num_tokens, c.start, c.layer_start, c.layer_end]
                                 for c in pre_chunks]}
-        c0, a0 = len(self.compiled), _device_allocs()
+        c0 = len(self.compiled)
         t0 = time.perf_counter()
         try:
             return self._original(out)
         finally:
-            self.last.update(exec_s=time.perf_counter() - t0, compiled=self.compiled[c0:],
-                             device_allocs=_device_allocs() - a0)
+            self.last.update(exec_s=time.perf_counter() - t0, compiled=self.compiled[c0:])
 
     def __enter__(self):
         self.runner.execute = self._execute
@@ -133,6 +133,7 @@ def run_trace(engine, trace: list[dict], device: str, stop_at: float,
                 engine.abort_request(ids)
                 truncated = True
                 break
+            allocs0 = _device_allocs()  # memory_stats() builds a dict: not inside the timing
             ts = time.perf_counter()
             prof = None
             if len(steps) in profile_steps:
@@ -148,6 +149,7 @@ def run_trace(engine, trace: list[dict], device: str, stop_at: float,
             st = engine.get_stats()
             loaded = st.get("pages_loaded_total", 0)
             steps.append({**rec.last, "t": now - t0, "wall_s": now - ts,
+                          "device_allocs": _device_allocs() - allocs0,
                           "pages_loaded": loaded - loaded_prev,
                           "save_wait_s": st.get("save_wait_seconds_total", 0.0) - wait_prev,
                           "running": st["num_running"], "waiting": st["num_waiting"],

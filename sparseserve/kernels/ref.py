@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["paged_decode_attention", "paged_decode_plan", "paged_decode_planned", "update_page_summaries", "score_pages", "head_bounds",
-           "sub_bounds", "sub_table", "sub_page_rows", "mass_from_bounds", "page_mass",
+__all__ = ["paged_decode_attention", "paged_decode_plan", "paged_decode_planned",
+           "update_page_summaries", "score_pages", "head_bounds", "sub_bounds", "sub_table", "sub_page_rows", "mass_from_bounds", "page_mass",
            "select_pages", "merge_attention", "paged_decode_lse", "code_page_bounds",
            "SCORE_MODES"]
 

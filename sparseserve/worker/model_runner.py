@@ -88,11 +88,11 @@ class ModelRunner:
         if cfg.cache.kv_offload:
             sc = cfg.scheduler
             step_token_layers = sc.max_inject_tokens or sc.max_num_batched_tokens * self.num_layers
-            esz = torch.empty((), dtype=self.dtype).element_size()
             self.offload = TwoTierCache(
                 cfg.cache, self.num_layers, mc.head_dim, rows, self.dtype, self.device,
                 sc.working_set_window,
-                step_save_bytes=step_token_layers * self.num_kv_heads * mc.head_dim * esz * 2)
+                step_save_bytes=step_token_layers * self.num_kv_heads * mc.head_dim
+                * self.dtype.itemsize * 2)
             self.offload.attach_device_tier(self.kv.k, self.kv.v)
             num_ids = cfg.cache.num_host_pages
         # the device page table: a chunk directory (+ CPU mirror for the saver's host ids)
