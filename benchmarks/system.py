@@ -6,7 +6,8 @@ Traces (every request arrives at t=0, greedy, ignore_eos):
   long32  32 requests, prompts uniform in [8k, 16k], 512 output tokens
 Configurations: the presets (dense, sparse, sparse-offload, sparseserve) and ablations of the
 full system (sparseserve-chunked: no layer-segmented prefill; sparseserve-no-wc: no
-working-set control; sparseserve-direct: GPU-direct prefill saves instead of FlashD2H). The device KV budget is the same for all (default 20 GiB, an
+working-set control; sparseserve-flashd2h: prefill saves by FlashD2H's CPU scatter instead of
+the preset's GPU-direct writes). The device KV budget is the same for all (default 20 GiB, an
 A100-40GB-like budget); the host tier is sized for the trace. Ratios are to `dense` in the
 same run.
 
@@ -36,8 +37,9 @@ CONFIGS = {
     "sparseserve": dict(preset="sparseserve"),
     "sparseserve-chunked": dict(preset="sparseserve", layer_segmented_prefill=False),
     "sparseserve-no-wc": dict(preset="sparseserve", working_set_control=False),
-    # prefill saves by GPU-direct writes from a side stream instead of FlashD2H's CPU scatter
-    "sparseserve-direct": dict(preset="sparseserve", d2h_method="gpu-direct"),
+    # prefill saves by FlashD2H (SparseServe's design: staging + CPU scatter threads) instead of
+    # the preset's GPU-direct writes from a side stream
+    "sparseserve-flashd2h": dict(preset="sparseserve", d2h_method="flash"),
 }
 TRACES = ("mix40", "long32")
 

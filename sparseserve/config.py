@@ -132,6 +132,11 @@ class CacheConfig:
         return HOST_CHUNK_PAGES if self.kv_offload else 1
 
 
+# layer-segmented prefill: the share of a step's injection budget that a step which could not
+# use it (the next layer did not fit) carries to the next step (engine/scheduler.py)
+INJECT_CREDIT_FRACTION = 0.25
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64

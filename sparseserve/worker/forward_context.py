@@ -21,11 +21,10 @@ from sparseserve.worker.sparse_runtime import SparseRuntime
 from sparseserve.worker.page_directory import PageDirectory
 
 
-# Prefill attention backends, in priority order. Not cuDNN: on the H200 (torch 2.11) its
-# SDPA blocked the host ~3-6 ms per call, growing with the tokens queued ahead of it (torch
-# profiler of mix40's layer-segmented prefill steps: the top CPU op, 28 calls = 82 ms in a
-# 28-layer step) — so the host could not run ahead of the GPU and every layer of a prefill
-# step paid its launch time on an idle GPU. Flash (GQA through enable_gqa), then
+# Prefill attention backends of the chunks that continue a prefix (and of whole prompts beyond
+# the cuDNN plans built at start-up, worker/prefill_attention.py), in priority order. Not cuDNN
+# here: it builds an execution plan per new shape (42-75 ms of host time on the H200, torch
+# 2.11), and every chunk's prefix length is new. Flash (GQA through enable_gqa), then
 # memory-efficient, then math (fp32, CPU).
 PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                          SDPBackend.MATH]
@@ -62,9 +61,12 @@ class ForwardContext:
     def __init__(self, kv: KVCacheTensors, pages: PageDirectory, rows: torch.Tensor,
                  positions: torch.Tensor, num_decode: int, prefills: list[PrefillSeq],
                  scale: float, decode_width: int | None = None,
-                 sparse: SparseRuntime | None = None) -> None:
+                 sparse: SparseRuntime | None = None, prefill_attention=None) -> None:
         self.kv = kv
         self.sparse = sparse
+        # whole-prompt causal attention on prebuilt cuDNN plans (worker/prefill_attention.py):
+        # f(q [n, Hq, D], k, v [n, Hkv, D]) -> [n, Hq, D] or None (declined: use SDPA here)
+        self.prefill_attention = prefill_attention
         # evaluation hooks (set through ModelRunner.hooked): f(layer, q, selection, ctx) after
         # every sparse decode selection, and the decode attention (paged_decode_attention's
         # contract; this class's decode rows only, not the two-tier cache's; an ``lse``
@@ -205,6 +207,11 @@ class ForwardContext:
     def _prefill(self, p: PrefillSeq, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         n = p.q_end - p.q_start
+        if p.start == 0 and self.prefill_attention is not None:
+            out = self.prefill_attention(q[p.q_start:p.q_end], k[p.q_start:p.q_end],
+                                         v[p.q_start:p.q_end])
+            if out is not None:
+                return out
         qs = q[p.q_start:p.q_end].transpose(0, 1)  # [Hq, n, D]
         if p.start == 0:
             ks = k[p.q_start:p.q_end].transpose(0, 1)  # [Hkv, n, D]

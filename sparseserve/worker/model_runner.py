@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparseserve.config import EngineConfig, SparseConfig
+from sparseserve.config import INJECT_CREDIT_FRACTION, EngineConfig, SparseConfig
 from sparseserve.engine.sched_output import ScheduledChunk, SchedulerOutput
 from sparseserve.kvcache.manager import cdiv
 from sparseserve.model.llama import LlamaForCausalLM
@@ -87,7 +87,10 @@ class ModelRunner:
         num_ids = cfg.cache.num_pages
         if cfg.cache.kv_offload:
             sc = cfg.scheduler
-            step_token_layers = sc.max_inject_tokens or sc.max_num_batched_tokens * self.num_layers
+            # a layer-segmented step injects up to 1.25x its budget (the scheduler's credit)
+            step_token_layers = (int(sc.max_inject_tokens * (1 + INJECT_CREDIT_FRACTION))
+                                 if sc.max_inject_tokens
+                                 else sc.max_num_batched_tokens * self.num_layers)
             self.offload = TwoTierCache(
                 cfg.cache, self.num_layers, mc.head_dim, rows, self.dtype, self.device,
                 sc.working_set_window,
@@ -115,6 +118,15 @@ class ModelRunner:
         # evaluation hooks (see `hooked`): set on every eager forward context
         self.on_select = None
         self.decode_attention = None
+        # whole-prompt prefill attention on cuDNN plans built here, once (prefill_attention.py)
+        self.prefill_attn = None
+        if self.device.type == "cuda" and torch.backends.cudnn.is_available():
+            from sparseserve.worker.prefill_attention import PaddedCausalAttention
+            heads = mc.num_attention_heads // (1 if tp is None else tp.size)
+            self.prefill_attn = PaddedCausalAttention(heads, self.num_kv_heads, mc.head_dim,
+                                                      self.scale, self.dtype, self.device)
+            if not self.prefill_attn.warm_up(max_len):
+                self.prefill_attn = None
         self.graphs = None
         # the per-page baselines sync on the host, so only the Flash paths are captured
         capturable = self.offload is None or (self.offload.direct_decode_saves
@@ -254,13 +266,15 @@ class ModelRunner:
             width = max(cdiv(c.start + 1, self.page_size) for c in chunks[:num_decode])
         args = (self.kv, self.pages, rows, positions, num_decode, prefills, self.scale)
         if self.offload is None:
-            ctx = ForwardContext(*args, decode_width=width, sparse=self.sparse)
+            ctx = ForwardContext(*args, decode_width=width, sparse=self.sparse,
+                                 prefill_attention=self.prefill_attn)
         else:
             pos, rws = self._np_pos, self._np_rows
             if np_idx is not None:
                 pos, rws = pos[np_idx], rws[np_idx]
             save_pages = self.pages.host_pages(rws, pos // self.page_size)  # [T, Hkv]
             ctx = OffloadForwardContext(*args, decode_width=width, sparse=self.sparse,
+                                        prefill_attention=self.prefill_attn,
                                         cache=self.offload, save_pages=save_pages,
                                         save_offsets=pos % self.page_size)
         if self.on_select is not None:

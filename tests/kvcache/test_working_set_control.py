@@ -160,7 +160,7 @@ def test_each_preset_builds_and_runs(model_dir, preset):
         assert not cfg.scheduler.working_set_control and cfg.scheduler.max_inject_tokens is None
     if preset == "sparseserve":
         assert (cfg.cache.h2d_method, cfg.cache.d2h_method, cfg.cache.eviction) == (
-            "flash", "flash", "category-lru")
+            "flash", "gpu-direct", "category-lru")
         assert cfg.scheduler.working_set_control
         assert cfg.scheduler.max_inject_tokens == 2048 * 3  # batched tokens x layers
     outs = llm.generate(prompts([17, 54]), greedy(8), use_tqdm=False)
