@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from . import patch_triton_interpreter
+from .code_scores import decode_page_keys
 
 patch_triton_interpreter()
 
@@ -85,26 +86,11 @@ def _code_page_x(kmin_ptr, kmax_ptr, codes_ptr, stride_min, stride_max, stride_c
                  GP: tl.constexpr, DOT_PREC: tl.constexpr):
     """[BLOCK_W, GP] per head: log2-sum-exp2 over each full page's tokens of the scaled
     approximate logits (key codes, ``ref.code_page_bounds`` times scale * log2 e)."""
-    T: tl.constexpr = BLOCK_W * PS
-    offs_r = tl.arange(0, T)
-    offs_d = tl.arange(0, BLOCK_D)
-    w_row = w0 + offs_r // PS
-    tok = offs_r % PS
-    r_ok = w_row < n - 1
-    page = tl.load(pt_row + w_row, mask=r_ok, other=0).to(tl.int64)
-    m2 = r_ok[:, None] & (offs_d < D)[None, :]
-    lo = tl.load(kmin_ptr + page[:, None] * stride_min + offs_d[None, :], mask=m2,
-                 other=0.0).to(tl.float32)
-    hi = tl.load(kmax_ptr + page[:, None] * stride_max + offs_d[None, :], mask=m2,
-                 other=0.0).to(tl.float32)
-    f = (tok[:, None] * D + offs_d[None, :]) * BITS
-    word = tl.load(codes_ptr + page[:, None] * stride_codes + f // 32, mask=m2, other=0)
-    code = (word >> (f % 32)) & ((1 << BITS) - 1)
-    if BITS == 1:
-        lev = code.to(tl.float32)
-    else:
-        lev = (code.to(tl.float32) + 0.5) * (1.0 / (1 << BITS))
-    kh = lo + (hi - lo) * lev                                               # [T, BLOCK_D]
+    offs_w = w0 + tl.arange(0, BLOCK_W)
+    ok = offs_w < n - 1  # full pages
+    page = tl.load(pt_row + offs_w, mask=ok, other=0).to(tl.int64)
+    kh = decode_page_keys(kmin_ptr, kmax_ptr, codes_ptr, stride_min, stride_max, stride_codes,
+                          page, ok, D, BLOCK_D, BLOCK_W, PS, BITS)          # [T, BLOCK_D]
     # the dot in the summary dtype (tensor cores for 16-bit KV; exact IEEE for fp32): the
     # rounding of a decoded 2-bit key to bf16 is far below its quantisation error
     xt = tl.dot(kh.to(qt.dtype), qt, input_precision=DOT_PREC) * qk_scale   # [T, GP] fp32

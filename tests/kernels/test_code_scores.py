@@ -32,7 +32,7 @@ def _case(npages, Hq, Hkv, D, ps, bits, gen, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("bits", [1, 2])
-@pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 32), (4, 4, 16), (9, 3, 64)])
+@pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 32), (4, 4, 16), (9, 3, 64), (4, 2, 48)])
 @pytest.mark.parametrize("ps", [16, 32])
 def test_code_scores_match_reference(bits, Hq, Hkv, D, ps):
     gen = torch.Generator().manual_seed(bits * 7 + Hq + ps)

@@ -354,7 +354,7 @@ def test_mass_scoring_is_not_drowned_by_flat_heads():
 
 
 @pytest.mark.parametrize("bits", [1, 2])
-@pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 32), (4, 4, 16)])
+@pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 32), (4, 4, 16), (4, 2, 48)])
 def test_select_with_key_codes_matches_reference(bits, Hq, Hkv, D):
     """Token key codes through the fused kernel (``codes=``, ``bits=``): the kernel's pages are
     the reference's (ref.select_pages with codes = mass_from_bounds(code_page_bounds)) at
