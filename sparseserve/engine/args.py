@@ -228,12 +228,12 @@ class EngineArgs:
         if not self.enable_chunked_prefill and batched < max_len:
             batched = max_len  # without chunking a whole prompt must fit in one step
         sparse = self._sparse_config(mc)
+        if self.kv_offload:
+            self._check_offload(sparse, mc, num_pages, max_len)
+        mc = mc_full
         inject = None
         if self.layer_segmented_prefill:
             inject = self.max_inject_tokens or batched * mc.num_hidden_layers
-        if self.kv_offload:
-            self._check_offload(sparse, mc, num_pages, max_len, inject)
-        mc = mc_full
         cfg = EngineConfig(
             model=mc,
             load=LoadConfig(model=source.path or source.name, load_format=source.kind,
@@ -292,7 +292,7 @@ class EngineArgs:
         return pages // HOST_CHUNK_PAGES * HOST_CHUNK_PAGES  # whole chunks (KVCacheManager)
 
     def _check_offload(self, sparse: SparseConfig, mc: ModelConfig, num_slots: int,
-                       max_len: int, inject: int | None) -> None:
+                       max_len: int) -> None:
         from sparseserve.kvcache.eviction import EVICTION_POLICIES
         from sparseserve.transfer import D2H_METHODS, H2D_METHODS
         if not sparse.enabled or sparse.algorithm == "oracle":
@@ -308,19 +308,12 @@ class EngineArgs:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}.")
         # how many requests decode at once is bounded per step by the scheduler (their
         # working sets must fit the slots); statically, one longest prompt must fit, since a
-        # prefill keeps every page of its prompt in slots (one layer's worth per pool) —
-        # unless every prompt is prefilled whole and slot-free (layer-segmented, saves ordered
-        # on the device, max_model_len <= max_inject_tokens): then one decode selection must
-        slot_free = (inject is not None and inject >= max_len
-                     and CacheConfig(d2h_method=self.d2h_method).saves_ordered_on_device)
-        tokens = min(max_len, sparse.token_budget) if slot_free else max_len
-        need = -(-tokens // self.page_size) * mc.num_key_value_heads
+        # prefill keeps every page of its prompt in slots (one layer's worth per pool)
+        need = -(-max_len // self.page_size) * mc.num_key_value_heads
         if num_slots < need:
-            what = ("one decode step's selection" if slot_free else
-                    f"a prompt of max_model_len={max_len} tokens while it is prefilled")
-            raise ValueError(f"The device cache has {num_slots} slots per layer but {what} "
-                             f"needs {need}; raise kv_cache_memory_bytes or lower "
-                             "max_model_len (or token_budget).")
+            raise ValueError(f"The device cache has {num_slots} slots per layer but a prompt of "
+                             f"max_model_len={max_len} tokens needs {need} while it is "
+                             "prefilled; raise kv_cache_memory_bytes or lower max_model_len.")
 
     def _sparse_config(self, mc: ModelConfig) -> SparseConfig:
         from sparseserve.sparse import get_algorithm_class
