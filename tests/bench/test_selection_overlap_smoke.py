@@ -1,0 +1,47 @@
+"""benchmarks/selection_overlap.py: the overlap statistics against hand-made selections, and
+the script end to end on a tiny model (--smoke)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from selection_overlap import overlap_stats  # noqa: E402
+
+
+def test_overlap_stats_by_hand():
+    # one (row, layer, head): pages {0, 5, 6, 9} then {0, 5, 7, 9} then {0, 6, 8, 9};
+    # sink 1 (page 0), local 1 (the highest page): chosen = the middle two
+    seq = [frozenset({0, 5, 6, 9}), frozenset({0, 5, 7, 9}), frozenset({0, 6, 8, 9})]
+    s = overlap_stats({(0, 0, 0): seq}, window=2, kept=(1, 1), min_pages=4)
+    assert s["samples"] == 2
+    assert s["overlap_all"] == pytest.approx((3 / 4 + 2 / 4) / 2)
+    assert s["overlap_chosen"] == pytest.approx((1 / 2 + 0 / 2) / 2)
+    # step 2 within the last two steps: 0, 6 (step 0), 9 -> 3 of 4; chosen 6 of {6, 8}
+    assert s["window_all"] == pytest.approx((3 / 4 + 3 / 4) / 2)
+    assert s["window_chosen"] == pytest.approx((1 / 2 + 1 / 2) / 2)
+    assert s["per_layer_overlap_chosen"] == {0: pytest.approx(0.25)}
+    # a selection smaller than the budget (everything selected) is skipped
+    assert overlap_stats({(0, 0, 0): seq}, 2, (1, 1), min_pages=5)["samples"] == 0
+
+
+def test_smoke_run(tmp_path):
+    out = tmp_path / "o.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "selection_overlap.py"),
+                           "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert set(r["runs"]) == {"arkvale", "keycode2"}
+    for run in r["runs"].values():
+        assert run["samples"] > 0
+        for k in ("overlap_all", "overlap_chosen", "window_all", "window_chosen"):
+            assert 0.0 <= run[k] <= 1.0
+        # what was selected in the last w steps includes what the last step selected
+        assert run["window_all"] >= run["overlap_all"] - 1e-9
+        assert run["window_chosen"] >= run["overlap_chosen"] - 1e-9
+    assert "overlap % all" in proc.stdout.splitlines()[-4]  # the table is printed last
