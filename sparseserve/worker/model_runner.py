@@ -118,6 +118,11 @@ class ModelRunner:
         # evaluation hooks (see `hooked`): set on every eager forward context
         self.on_select = None
         self.decode_attention = None
+        # CPU engine: torch threads per step (worker/cpu_threads.py); TP ranks set their own
+        self.cpu_threads = None
+        if self.device.type == "cpu" and tp is None:
+            from sparseserve.worker.cpu_threads import CpuThreadPolicy
+            self.cpu_threads = CpuThreadPolicy()
         # whole-prompt prefill attention on cuDNN plans built here, once (prefill_attention.py)
         self.prefill_attn = None
         if self.device.type == "cuda" and torch.backends.cudnn.is_available():
@@ -147,6 +152,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
+        if self.cpu_threads is not None:
+            self.cpu_threads.for_step(any(not c.is_decode for c in out.chunks))
         self.release(out.freed_rows, out.freed_request_ids, out.freed_pages)
         if self.offload is not None:
             self.offload.begin_step()

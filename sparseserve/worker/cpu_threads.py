@@ -1,0 +1,38 @@
+"""Torch threads of the CPU engine, per step: all cores for steps that carry prefill work, one
+fewer for decode-only steps.
+
+Why (docs/results/cpu.md, `benchmarks/cpu_threads.py`, SmolLM2 fp32 on the 2-core machine):
+idle, 2 threads prefill 2.0x faster than 1 (517 vs 262 tokens/s) but decode no faster at batch 1
+(66 vs 68 ms per step) and 1.26x at batch 8; with one competing process — the server's own
+event loop, a tokenizer, another tenant — 2 threads make decode 2.3x slower than 1 (278 vs 119
+ms at batch 1, 495 vs 208 at batch 8: an op waits for its second thread) while prefill is the
+same (140 vs 139 tokens/s). Decode steps therefore leave a core free; prefill steps take all.
+
+OMP_NUM_THREADS, when set, is the user's choice: the policy is off and torch keeps it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+class CpuThreadPolicy:
+    """`for_step(has_prefill)` sets torch's intra-op threads for the next step (a no-op when the
+    count does not change)."""
+
+    def __init__(self, cores: int | None = None, env: dict | None = None) -> None:
+        env = os.environ if env is None else env
+        self.enabled = "OMP_NUM_THREADS" not in env
+        cores = cores or os.cpu_count() or 1
+        self.prefill_threads = cores
+        self.decode_threads = max(1, cores - 1)
+
+    def for_step(self, has_prefill: bool) -> int:
+        """-> the thread count the step runs with."""
+        if not self.enabled:
+            return torch.get_num_threads()
+        n = self.prefill_threads if has_prefill else self.decode_threads
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        return n
