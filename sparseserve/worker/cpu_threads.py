@@ -1,12 +1,13 @@
 """Torch threads of the CPU engine, per step: all cores for steps that carry prefill work, one
 fewer for decode-only steps.
 
-Why (docs/results/cpu.md, `benchmarks/cpu_threads.py`, SmolLM2 fp32 on the 2-core machine):
-idle, 2 threads prefill 2.0x faster than 1 (517 vs 262 tokens/s) but decode no faster at batch 1
-(66 vs 68 ms per step) and 1.26x at batch 8; with one competing process — the server's own
-event loop, a tokenizer, another tenant — 2 threads make decode 2.3x slower than 1 (278 vs 119
-ms at batch 1, 495 vs 208 at batch 8: an op waits for its second thread) while prefill is the
-same (140 vs 139 tokens/s). Decode steps therefore leave a core free; prefill steps take all.
+Why (docs/results/cpu.md § thread policy, `benchmarks/cpu_threads.py`, SmolLM2 fp32 on the
+2-core machine, 3 interleaved rounds): idle, 2 threads prefill 1.7x faster than 1 (507 vs 297
+tokens/s) but decode at batch 1 barely faster (66 vs 73 ms per step); with one competing
+process — the server's own event loop, a tokenizer, another tenant — 2 threads make decode
+2.2-2.8x slower than 1 (273 vs 98 ms at batch 1, 390 vs 178 at batch 8: an op waits for its
+descheduled second thread) while prefill is the same (160 vs 155 tokens/s). Decode steps
+therefore leave a core free; prefill steps take all.
 
 OMP_NUM_THREADS, when set, is the user's choice: the policy is off and torch keeps it.
 """
