@@ -209,8 +209,9 @@ class Scheduler:
             # not chunked, unless one layer of the prompt is more than a step may inject
             n = min(remaining, limit)
         l0 = req.prefill_layer
-        layers = min(self.num_layers - l0, inject // n)
-        if inject // n < self.num_layers - l0:
+        fit = inject // n
+        layers = min(self.num_layers - l0, fit)
+        if fit < self.num_layers - l0:
             self._inject_short = True  # the budget, not the prompt's layers, ended it
         if n <= 0 or layers < 1:
             return None

@@ -207,11 +207,6 @@ class ForwardContext:
     def _prefill(self, p: PrefillSeq, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         n = p.q_end - p.q_start
-        if p.start == 0 and self.prefill_attention is not None:
-            out = self.prefill_attention(q[p.q_start:p.q_end], k[p.q_start:p.q_end],
-                                         v[p.q_start:p.q_end])
-            if out is not None:
-                return out
         qs = q[p.q_start:p.q_end].transpose(0, 1)  # [Hq, n, D]
         if p.start == 0:
             ks = k[p.q_start:p.q_end].transpose(0, 1)  # [Hkv, n, D]
@@ -228,8 +223,14 @@ class ForwardContext:
     def _sdpa(self, qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
               start: int) -> torch.Tensor:
         """Causal attention of a chunk: qs [Hq, n, D] at positions [start, start + n) over
-        ks/vs [Hkv, start + n, D] -> [n, Hq, D]."""
+        ks/vs [Hkv, start + n, D] -> [n, Hq, D]. A whole prompt (start 0) goes to the prebuilt
+        cuDNN plans when there is one for its length (worker/prefill_attention.py)."""
         n, total = qs.shape[1], ks.shape[1]
+        if start == 0 and self.prefill_attention is not None:
+            out = self.prefill_attention(qs.transpose(0, 1), ks.transpose(0, 1),
+                                         vs.transpose(0, 1))
+            if out is not None:
+                return out
         if start == 0:
             mask, causal = None, True
         else:

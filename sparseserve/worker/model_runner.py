@@ -19,10 +19,12 @@ from sparseserve.kvcache.manager import cdiv
 from sparseserve.model.llama import LlamaForCausalLM
 from sparseserve.model.loader import iter_weights
 from sparseserve.request import SamplingParams
+from sparseserve.worker.cpu_threads import CpuThreadPolicy
 from sparseserve.worker.forward_context import ForwardContext, KVCacheTensors, PrefillSeq
 from sparseserve.worker.offload_cache import TwoTierCache
 from sparseserve.worker.offload_context import OffloadForwardContext
 from sparseserve.worker.page_directory import PageDirectory
+from sparseserve.worker.prefill_attention import PaddedCausalAttention
 from sparseserve.worker.prompt_logprobs import PromptLogprobs
 from sparseserve.worker.sampler import Sampler, SamplingBatch
 from sparseserve.worker.sparse_runtime import SparseRuntime
@@ -119,19 +121,11 @@ class ModelRunner:
         self.on_select = None
         self.decode_attention = None
         # CPU engine: torch threads per step (worker/cpu_threads.py); TP ranks set their own
-        self.cpu_threads = None
-        if self.device.type == "cpu" and tp is None:
-            from sparseserve.worker.cpu_threads import CpuThreadPolicy
-            self.cpu_threads = CpuThreadPolicy()
+        self.cpu_threads = CpuThreadPolicy() if self.device.type == "cpu" and tp is None else None
         # whole-prompt prefill attention on cuDNN plans built here, once (prefill_attention.py)
-        self.prefill_attn = None
-        if self.device.type == "cuda" and torch.backends.cudnn.is_available():
-            from sparseserve.worker.prefill_attention import PaddedCausalAttention
-            heads = mc.num_attention_heads // (1 if tp is None else tp.size)
-            self.prefill_attn = PaddedCausalAttention(heads, self.num_kv_heads, mc.head_dim,
-                                                      self.scale, self.dtype, self.device)
-            if not self.prefill_attn.warm_up(max_len):
-                self.prefill_attn = None
+        self.prefill_attn = PaddedCausalAttention.for_cuda(
+            mc.num_attention_heads // (1 if tp is None else tp.size), self.num_kv_heads,
+            mc.head_dim, self.scale, self.dtype, self.device, max_len)
         self.graphs = None
         # the per-page baselines sync on the host, so only the Flash paths are captured
         capturable = self.offload is None or (self.offload.direct_decode_saves

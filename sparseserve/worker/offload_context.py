@@ -187,11 +187,6 @@ class OffloadForwardContext(ForwardContext):
             read = torch.arange(hkv * nf, device=dev, dtype=torch.int32)
             self._index_via_scratch(pages_k, read, host_ids.long(), torch.full_like(read, ps),
                                     summaries, queries, pages_v)
-        if not p.start and self.prefill_attention is not None:
-            out = self.prefill_attention(q[p.q_start:p.q_end], k[p.q_start:p.q_end],
-                                         v[p.q_start:p.q_end])
-            if out is not None:
-                return out
         return self._sdpa(q[p.q_start:p.q_end].transpose(0, 1), ks, vs, p.start)
 
 

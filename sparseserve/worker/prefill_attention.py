@@ -59,6 +59,17 @@ class PaddedCausalAttention:
         self.dtype, self.device, self.backend = dtype, device, backend
         self.max_bucket = 0  # buckets up to this length have a plan
 
+    @classmethod
+    def for_cuda(cls, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 dtype: torch.dtype, device: torch.device,
+                 max_len: int) -> PaddedCausalAttention | None:
+        """cuDNN plans for every bucket up to max_len, built now; None off CUDA, without
+        cuDNN, or when not even the first bucket could be planned (flash serves then)."""
+        if device.type != "cuda" or not torch.backends.cudnn.is_available():
+            return None
+        attn = cls(num_heads, num_kv_heads, head_dim, scale, dtype, device)
+        return attn if attn.warm_up(max_len) else None
+
     def warm_up(self, max_len: int) -> list[int]:
         """Run every bucket up to max_len once (builds its plan). Stops at the first bucket that
         fails (out of memory, backend unavailable); -> the buckets warmed."""
