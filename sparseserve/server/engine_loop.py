@@ -7,7 +7,9 @@ asyncio queues (`loop.call_soon_threadsafe`).
 
 * If the thread dies (an exception in `step()`), every route gets `EngineDeadError`, every
   queued add / call fails with it, and `error` is set.
-* Metrics are fed from this thread (see `metrics.ServerMetrics`).
+* Metrics are fed from this thread (see `metrics.ServerMetrics`); a step's engine stats are
+  published before its outputs are routed, so /metrics read after a response includes the
+  step that produced it.
 * `CUT` aborts every routed request and ends its stream with `ServerShutdownError`; `num_cut`
   counts the requests cut that way (the server's exit code reports it). `STOP` does the same and
   ends the thread after one step that lets the engine free the aborted requests' pages.
@@ -134,8 +136,11 @@ class EngineLoop:
                     self._refresh_stats()
                     return
                 if need_step or self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
+                    outputs = self.engine.step()
+                    # stats before outputs: a client that reads /metrics as soon as its
+                    # request finished must see the step that finished it (its KV saves)
                     self._refresh_stats()
+                    self._dispatch(outputs)
                 elif not cmds and time.monotonic() - self._last_health > self._health_interval:
                     self._last_health = time.monotonic()
                     self.engine.check_health()
