@@ -5,7 +5,8 @@ Each kernel has a Triton implementation (``paged_decode``, ``page_summary``, ``p
 dispatch:
 
 * ``backend=None`` / ``"auto"``: Triton for CUDA tensors, the torch reference otherwise (the CPU
-  engine path; Triton's interpreter is far too slow to serve with).
+  engine path; Triton's interpreter is far too slow to serve with) -- except paged decode
+  attention, whose CPU path is ``paged_decode_cpu`` (the reference's contract, fewer bytes).
 * ``"triton"``: always Triton (on CPU tensors this needs ``TRITON_INTERPRET=1`` set before
   triton is first imported; tests/conftest.py does that).
 * ``"torch"``: always the reference.
@@ -75,6 +76,10 @@ def paged_decode_attention(q, k_cache, v_cache, page_table, num_pages, last_page
     num_pages [B, Hkv] int32, last_page_len [B] int32 -> out [B, Hq, D] (q's dtype).
     ``num_splits`` (Triton only) overrides the split-K choice, which by default depends on W only.
     """
+    if backend is None or backend == "auto":
+        if not q.is_cuda:  # the CPU engine path: same contract, fewer bytes moved
+            from .paged_decode_cpu import paged_decode_attention as _cpu
+            return _cpu(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale, out)
     if resolve_backend(backend, q) == "torch":
         return ref.paged_decode_attention(q, k_cache, v_cache, page_table, num_pages,
                                           last_page_len, scale, out)

@@ -15,8 +15,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from sparseserve.kernels import paged_decode_attention
-from sparseserve.kernels.ref import (merge_attention, paged_decode_lse, paged_decode_plan,
-                                    paged_decode_planned)
+from sparseserve.kernels.paged_decode_cpu import decode_planned, plan_decode
+from sparseserve.kernels.ref import merge_attention, paged_decode_lse
 from sparseserve.worker.sparse_runtime import SparseRuntime
 from sparseserve.worker.page_directory import PageDirectory
 
@@ -84,6 +84,9 @@ class ForwardContext:
         # where each token's K/V lands: page [T, Hkv] and offset [T, 1] within it
         self.store_pages = pages.pages_at(rows, torch.div(positions, ps, rounding_mode="floor"))
         self.store_offsets = (positions % ps)[:, None]
+        # the same as rows of a cache viewed [P * ps, D]: one index_copy_ per layer (7x faster
+        # than a two-index index_put_ on the CPU, measured: 7 vs 49 us for 16 tokens x 3 heads)
+        self.store_rows = (self.store_pages * ps + self.store_offsets).reshape(-1)
         if num_decode:
             drows = rows[:num_decode]
             seq_lens = positions[:num_decode] + 1
@@ -134,8 +137,9 @@ class ForwardContext:
                   v: torch.Tensor) -> torch.Tensor:
         # q [T, Hq, D]; k, v [T, Hkv, D]
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
-        k_cache[self.store_pages, self.store_offsets] = k
-        v_cache[self.store_pages, self.store_offsets] = v
+        d = k.shape[-1]
+        k_cache.view(-1, d).index_copy_(0, self.store_rows, k.reshape(-1, d))
+        v_cache.view(-1, d).index_copy_(0, self.store_rows, v.reshape(-1, d))
         sparse = self.sparse is not None and self.sparse.is_sparse(layer)
         if sparse and self.fill_ids is not None:
             self._index(layer, q, k_cache)
@@ -164,16 +168,17 @@ class ForwardContext:
 
     def _dense_decode(self, q: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor) -> torch.Tensor:
-        """Dense decode attention of the decode rows q [nd, Hq, D]. On the CPU path (the torch
-        reference, no hook) the layer-independent part (which tokens are attended) is
-        planned once per step and reused by every layer."""
+        """Dense decode attention of the decode rows q [nd, Hq, D]. On the CPU path
+        (kernels/paged_decode_cpu.py, no hook) the layer-independent part (which cache rows
+        are attended) is planned once per step and reused by every layer."""
         if self.decode_attention is not paged_decode_attention or q.is_cuda:
             return self.decode_attention(q, k_cache, v_cache, self.dec_page_table,
                                          self.dec_num_pages, self.dec_last_len, self.scale)
         if self._dec_plan is None:
-            self._dec_plan = paged_decode_plan(self.dec_page_table, self.dec_num_pages,
-                                               self.dec_last_len, self.kv.page_size)
-        return paged_decode_planned(q, k_cache, v_cache, self._dec_plan, self.scale)
+            self._dec_plan = plan_decode(self.dec_page_table, self.dec_num_pages,
+                                         self.dec_last_len, self.kv.page_size,
+                                         q.shape[1] // self.dec_page_table.shape[1])
+        return decode_planned(q, k_cache, v_cache, self._dec_plan, self.scale)
 
     def _merge_estimate(self, q: torch.Tensor, o_sel: torch.Tensor, sel, k_cache: torch.Tensor,
                         attended: torch.Tensor, summaries, lse_fn=paged_decode_lse) -> torch.Tensor:
