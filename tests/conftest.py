@@ -22,11 +22,25 @@ if GPU and _INTERPRET:
 if not GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
+# One GGUF cache (model/loader/gguf_cache.py) for the whole session, outside the user's home:
+# the first SmolLM2 load writes it, every later one (and every subprocess) reads it.
+_OWN_CACHE = None
+if "SPARSESERVE_CACHE_DIR" not in os.environ:
+    import tempfile
+    _OWN_CACHE = os.environ["SPARSESERVE_CACHE_DIR"] = tempfile.mkdtemp(
+        prefix="sparseserve-test-cache-")
+
 DEVICE = torch.device("cuda" if GPU else "cpu")
 # directories whose tests run in both modes (a skip there on the GPU needs a cpu_only mark)
 BOTH_MODES = ("tests/kernels/", "tests/transfer/")
 
 import pytest  # noqa: E402
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_CACHE is not None:
+        import shutil
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_configure(config):

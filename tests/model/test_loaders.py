@@ -106,11 +106,15 @@ def test_hf_generation_config_stop_tokens_and_dummy_dir(tmp_path):
 # ---------------------------------------------------------------- embedded SmolLM2 GGUF
 @pytest.fixture(scope="module")
 def smollm():
-    """(source, config, {HF name: tensor} for embed/norm and layers 0, 1, 3, 29; None for the rest)."""
-    source = resolve_model_source(None)
-    config = load_model_config(source)
-    keep = ("model.embed_tokens.", "model.norm.") + tuple(f"model.layers.{i}." for i in (0, 1, 3, 29))
-    return source, config, {n: t if n.startswith(keep) else None for n, t in iter_weights(source, config)}
+    """(source, config, {HF name: tensor} for embed/norm and layers 0, 1, 3, 29; None for the rest).
+    Read from the GGUF file itself, not the GGUF cache (tests/model/test_gguf_cache.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPARSESERVE_GGUF_CACHE", "0")
+        source = resolve_model_source(None)
+        config = load_model_config(source)
+        keep = ("model.embed_tokens.", "model.norm.") + tuple(f"model.layers.{i}." for i in (0, 1, 3, 29))
+        return source, config, {n: t if n.startswith(keep) else None
+                                for n, t in iter_weights(source, config)}
 
 
 def test_default_source_is_smollm2(smollm):

@@ -8,6 +8,7 @@ computes what rotate-half RoPE (pairs i, i + head_dim/2) computes on the origina
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 from typing import Any, Iterator
@@ -193,8 +194,17 @@ def gguf_hf_config(reader: Any, path: str) -> dict[str, Any]:
 
 
 def load_gguf_config(path: str, name: str) -> ModelConfig:
-    """ModelConfig from the metadata of the GGUF file at `path`."""
-    return ModelConfig.from_hf_dict(gguf_hf_config(open_gguf(path), path), name=name)
+    """ModelConfig from the metadata of the GGUF file at `path` (from the cache when the file
+    was read before: gguf_cache.py)."""
+    from . import gguf_cache
+
+    hit = gguf_cache.cached(path, gguf_cache.CONFIG)
+    if hit is not None:
+        with open(hit, encoding="utf-8") as f:
+            return ModelConfig.from_hf_dict(json.load(f), name=name)
+    hf = gguf_hf_config(open_gguf(path), path)
+    gguf_cache.store_config(path, hf)
+    return ModelConfig.from_hf_dict(hf, name=name)
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -271,6 +281,14 @@ def iter_gguf(path: str, config: ModelConfig, shard=None) -> Iterator[tuple[str,
     arch = gguf_architecture(reader, path)
     plan = plan_gguf(reader, path, config)  # eager: errors raise at call time, not at first next()
     return _stream_gguf(plan, arch, config, shard)
+
+
+def dequantized_bytes(path: str, config: ModelConfig) -> int:
+    """Bytes of the tensors `iter_gguf` yields for the file (float32 for quantized types)."""
+    from gguf import GGMLQuantizationType as T
+
+    return sum(int(np.prod(t.shape.tolist())) * (2 if t.tensor_type in (T.F16, T.BF16) else 4)
+               for t, _ in plan_gguf(open_gguf(path), path, config))
 
 
 def _stream_gguf(plan: list[tuple[Any, str]], arch: str, config: ModelConfig,

@@ -17,7 +17,8 @@ import torch
 from sparseserve.config import ModelConfig
 
 from .dummy import BUILTIN_DUMMY_CONFIGS, builtin_model_config, find_builtin
-from .gguf_file import iter_gguf, load_gguf_config, open_gguf, plan_gguf
+from . import gguf_cache
+from .gguf_file import dequantized_bytes, iter_gguf, load_gguf_config, open_gguf, plan_gguf
 from .hf import iter_safetensors, load_hf_config, plan_safetensors
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -168,7 +169,11 @@ def check_weights(source: ModelSource, config: ModelConfig) -> None:
     if source.kind == "hf":
         plan_safetensors(source.path, config)
     elif source.kind == "gguf":
-        plan_gguf(open_gguf(source.path), source.path, config)
+        if gguf_cache.cached(source.path, gguf_cache.WEIGHTS) is not None:
+            # written from this very file (the key covers path, size, mtime): its headers
+            plan_safetensors(gguf_cache.entry_dir(source.path), config)
+        else:
+            plan_gguf(open_gguf(source.path), source.path, config)
 
 
 # (HF name, full shape) -> (dim, start, end) of the slice to load, or None for all of it
@@ -180,7 +185,8 @@ def iter_weights(source: ModelSource, config: ModelConfig,
     """Yield (Hugging Face parameter name, CPU tensor) for every weight of the model, streaming
     one tensor at a time; lm_head.weight is omitted when the embedding is tied. The checkpoint
     is validated before the first tensor. Dummy sources yield nothing: the model initialises
-    random weights itself.
+    random weights itself. A GGUF file's weights come from its cache folder once one full load
+    wrote it (gguf_cache.py).
 
     shard (tensor parallelism, LlamaForCausalLM.weight_shard): yield only each tensor's slice
     `shard(name, full_shape)`; safetensors read just that slice from the file, GGUF tensors
@@ -188,7 +194,13 @@ def iter_weights(source: ModelSource, config: ModelConfig,
     if source.kind == "hf":
         return iter_safetensors(source.path, config, shard)
     if source.kind == "gguf":
-        return iter_gguf(source.path, config, shard)
+        if gguf_cache.cached(source.path, gguf_cache.WEIGHTS) is not None:
+            return iter_safetensors(gguf_cache.entry_dir(source.path), config, shard)
+        weights = iter_gguf(source.path, config, shard)
+        if shard is not None:  # a rank's slices are not the whole model: nothing to cache
+            return weights
+        return gguf_cache.caching_weights(source.path, weights,
+                                          dequantized_bytes(source.path, config))
     if source.kind == "dummy":
         return iter(())
     raise ValueError(f"Unknown model source kind {source.kind!r}")

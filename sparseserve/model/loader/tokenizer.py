@@ -48,10 +48,24 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> "PreTra
 
 def load_gguf_tokenizer(path: str) -> "PreTrainedTokenizerBase":
     """transformers' tokenizer for the GGUF file at `path`, with chat template, BOS/EOS and
-    the add-BOS behaviour taken from the file's metadata."""
+    the add-BOS behaviour taken from the file's metadata; from the GGUF cache (gguf_cache.py)
+    after the first load."""
     from transformers import AutoTokenizer
 
+    from . import gguf_cache
+
     path = os.path.abspath(path)
+    hit = gguf_cache.cached(path, gguf_cache.TOKENIZER)
+    if hit is not None:  # saved by a previous load, the fixes below applied
+        return AutoTokenizer.from_pretrained(hit)
+    tok = _from_gguf_metadata(path)
+    gguf_cache.store_tokenizer(path, tok)
+    return tok
+
+
+def _from_gguf_metadata(path: str) -> "PreTrainedTokenizerBase":
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     reader = open_gguf(path)
 
