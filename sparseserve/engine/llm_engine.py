@@ -37,7 +37,9 @@ class LLMEngine:
 
         self.config, self.source = args.create_engine_config()
         # how each rank's HBM is split, before anything is allocated (engine/memory_plan.py)
-        logger.info("%s", self.config.memory_plan.describe())
+        cc = self.config.cache
+        logger.info("%s; %d device pages per layer%s", self.config.memory_plan.describe(),
+                    cc.num_pages, f", {cc.num_host_pages} host pages" if cc.kv_offload else "")
         self.model_name = self.source.name
         self.tokenizer = load_tokenizer(self.source, tokenizer=args.tokenizer)
         self.executor = make_executor(self.config, self.source)
