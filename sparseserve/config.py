@@ -189,6 +189,9 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # engine.memory_plan.MemoryPlan: the device bytes of one rank, by component (EngineArgs
+    # plans it; None for a config built by hand)
+    memory_plan: Any = None
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

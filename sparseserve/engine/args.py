@@ -5,15 +5,16 @@ import argparse
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 from sparseserve.config import (HOST_CHUNK_PAGES, CacheConfig, EngineConfig, LoadConfig,
                                 ModelConfig, ParallelConfig, SchedulerConfig, SparseConfig)
-from sparseserve.engine.memory_plan import GiB, activation_bytes, gpu_memory, param_count
+from sparseserve.engine.memory_plan import (DTYPE_BYTES, GiB, check_plan, fit_num_pages,
+                                            gpu_memory, kv_page_bytes, plan_memory)
 from sparseserve.engine.presets import OFFLOAD_ONLY, PRESETS, apply_preset, preset_help
 
 logger = logging.getLogger("sparseserve")
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CPU_DEFAULT_KV_BYTES = 2 * GiB
 
 
@@ -91,9 +92,10 @@ class EngineArgs:
                             help="decode steps a working set spans (SparseServe's w)")
         parser.add_argument("--page-size", type=int, default=d.page_size)
         parser.add_argument("--kv-cache-memory-bytes", type=_parse_bytes, default=None,
-                            help="device KV cache size of each tensor-parallel rank (GPU), e.g. 4G "
-                                 "or 4294967296 (default: what gpu_memory_utilization leaves "
-                                 "after the rank's weight shard)")
+                            help="device KV slots of each tensor-parallel rank (GPU), e.g. 4G "
+                                 "or 4294967296; the summaries, metadata and CUDA graph pool "
+                                 "come on top (default: what gpu_memory_utilization leaves "
+                                 "after all of them and the rank's weight shard)")
         parser.add_argument("--gpu-memory-utilization", type=float,
                             default=d.gpu_memory_utilization)
         parser.add_argument("--seed", type=int, default=d.seed)
@@ -187,10 +189,22 @@ class EngineArgs:
             raise ValueError("working_set_window must be >= 1 decode step.")
 
         page_bytes = 2 * mc.num_hidden_layers * self.page_size * mc.head_dim * DTYPE_BYTES[dtype]
-        kv_bytes = self._kv_bytes(device, mc, dtype, tp)
-        num_pages = kv_bytes // page_bytes
         num_host_pages = self._host_pages(page_bytes, mc_rank, tp)
-        mc_full, mc = mc, mc_rank  # page counts below are per rank, over its KV heads
+        mc_full = mc
+
+        def draft(num_pages: int) -> EngineConfig:
+            # the config the memory plan sizes the slots with, before max_model_len is
+            # known: the longest it can be (the plan only shrinks with it)
+            max_len = self.max_model_len or min(
+                mc_full.max_position_embeddings,
+                mc_full.sliding_window or mc_full.max_position_embeddings)
+            return self._assemble(source, mc_full, device, dtype, tp, num_pages,
+                                  num_host_pages, num_pages * page_bytes, max_len,
+                                  self._sparse_config(mc_rank))
+
+        kv_bytes, budget = self._kv_bytes(device, tp, draft)
+        num_pages = kv_bytes // page_bytes
+        mc = mc_rank  # page counts below are per rank, over its KV heads
         pool = num_host_pages if self.kv_offload else num_pages
         chunk = HOST_CHUNK_PAGES if self.kv_offload else 1  # pages come in whole chunks
         capacity_tokens = (pool // chunk // mc.num_key_value_heads) * chunk * self.page_size
@@ -224,17 +238,26 @@ class EngineArgs:
             raise ValueError(f"This model uses sliding-window attention ({mc.sliding_window} "
                              "tokens), which sparseserve does not implement; set max_model_len "
                              f"<= {mc.sliding_window}.")
-        batched = self.max_num_batched_tokens
-        if not self.enable_chunked_prefill and batched < max_len:
-            batched = max_len  # without chunking a whole prompt must fit in one step
         sparse = self._sparse_config(mc)
         if self.kv_offload:
             self._check_offload(sparse, mc, num_pages, max_len)
-        mc = mc_full
+        cfg = self._assemble(source, mc_full, device, dtype, tp, num_pages, num_host_pages,
+                             kv_bytes, max_len, sparse)
+        plan = plan_memory(cfg, budget)
+        check_plan(plan, explicit=self.kv_cache_memory_bytes is not None)
+        return cfg.replace(memory_plan=plan), source
+
+    def _assemble(self, source, mc: ModelConfig, device: str, dtype: str, tp: int,
+                  num_pages: int, num_host_pages: int, kv_bytes: int, max_len: int,
+                  sparse: SparseConfig) -> EngineConfig:
+        """The EngineConfig of these sizes (mc: the whole model; page counts per rank)."""
+        batched = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill and batched < max_len:
+            batched = max_len  # without chunking a whole prompt must fit in one step
         inject = None
         if self.layer_segmented_prefill:
             inject = self.max_inject_tokens or batched * mc.num_hidden_layers
-        cfg = EngineConfig(
+        return EngineConfig(
             model=mc,
             load=LoadConfig(model=source.path or source.name, load_format=source.kind,
                             tokenizer=self.tokenizer),
@@ -255,7 +278,6 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             parallel=ParallelConfig(tensor_parallel_size=tp),
         )
-        return cfg, source
 
     def _check_parallel(self, mc: ModelConfig, device: str) -> int:
         """The tensor-parallel size, checked against the model and the visible GPUs."""
@@ -335,31 +357,40 @@ class EngineArgs:
                             sink_pages=self.sink_pages, local_pages=self.local_pages,
                             dense_layers=self.dense_layers)
 
-    def _kv_bytes(self, device: str, mc: ModelConfig, dtype: str, tp: int = 1) -> int:
-        """Device KV cache bytes of one rank (each of the tp ranks holds this much).
+    def _kv_bytes(self, device: str, tp: int,
+                  draft: Callable[[int], EngineConfig]) -> tuple[int, int | None]:
+        """(device KV cache bytes of one rank, the budget its memory plan must fit or None).
 
-        kv_cache_memory_bytes is per rank, as in vLLM. On the CPU the ranks share the host's
-        memory: the default of CPU_DEFAULT_KV_BYTES is their total (each rank's 1/tp of the
-        KV heads then fits as many tokens as one process does). On GPUs each rank's budget is
-        what its GPU (the fullest of the tp) has left after its weight shard (1/tp of the
-        projections, embedding and LM head; norms replicated) and its activations."""
+        kv_cache_memory_bytes is per rank and is the KV slots' size alone, as in vLLM; the
+        budget is then what the GPU has free (weights, activations, summaries, metadata and
+        graph pool come on top). On the CPU the ranks share the host's memory: the default
+        of CPU_DEFAULT_KV_BYTES is their total (each rank's 1/tp of the KV heads then fits as
+        many tokens as one process does); no budget. On GPUs by default each rank's budget is
+        min(free, total x gpu_memory_utilization) of its GPU (the fullest of the tp), and the
+        KV slots get what the memory plan of `draft(num_pages)` leaves (fit_num_pages):
+        after its weight shard, activations, the summaries (with offload: of every host
+        page), the metadata and the graph pool."""
         if self.kv_cache_memory_bytes is not None:
             if self.kv_cache_memory_bytes <= 0:
                 raise ValueError("kv_cache_memory_bytes must be > 0.")
-            return int(self.kv_cache_memory_bytes)
+            free = gpu_memory(tp)[0] if device == "cuda" else None
+            return int(self.kv_cache_memory_bytes), free
         if device == "cpu":
-            return CPU_DEFAULT_KV_BYTES // tp
+            return CPU_DEFAULT_KV_BYTES // tp, None
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1].")
         free, total = gpu_memory(tp)
-        weights = param_count(mc, tp) * DTYPE_BYTES[dtype]
-        act = activation_bytes(mc, self.max_num_batched_tokens, self.max_num_seqs, tp)
-        budget = min(free, int(total * self.gpu_memory_utilization)) - weights - act
-        if budget <= 0:
-            raise ValueError("No GPU memory left for the KV cache after weights and activations; "
-                             "raise gpu_memory_utilization, use a smaller model or a larger "
-                             "tensor_parallel_size.")
-        return int(budget)
+        budget = min(free, int(total * self.gpu_memory_utilization))
+        num_pages = fit_num_pages(draft(0), budget)
+        if num_pages < 1:
+            rest = plan_memory(draft(0), budget)
+            raise ValueError(f"No GPU memory left for the KV cache after weights, activations, "
+                             f"summaries, metadata and graph pool ({rest.describe()}); raise "
+                             "gpu_memory_utilization, use a smaller model or a larger "
+                             "tensor_parallel_size" + (", or lower kv_offloading_size (the "
+                             "summaries of every host page stay in HBM)" if self.kv_offload
+                             else "") + ".")
+        return num_pages * kv_page_bytes(draft(0)), budget
 
 
 def _resolve_dtype(dtype: str, device: str, mc: ModelConfig) -> str:

@@ -36,6 +36,10 @@ class LLMEngine:
         from sparseserve.model.loader import load_tokenizer
 
         self.config, self.source = args.create_engine_config()
+        # how each rank's HBM is split, before anything is allocated (engine/memory_plan.py)
+        cc = self.config.cache
+        logger.info("%s; %d device pages per layer%s", self.config.memory_plan.describe(),
+                    cc.num_pages, f", {cc.num_host_pages} host pages" if cc.kv_offload else "")
         self.model_name = self.source.name
         self.tokenizer = load_tokenizer(self.source, tokenizer=args.tokenizer)
         self.executor = make_executor(self.config, self.source)
@@ -59,6 +63,11 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
+
+    def memory_plan(self) -> dict:
+        """The device memory plan of one rank (bytes by component, total, budget; see
+        engine/memory_plan.py), for benchmarks to record."""
+        return self.config.memory_plan.as_dict()
 
     @property
     def max_model_len(self) -> int:

@@ -1,11 +1,48 @@
-"""Device memory sizing of one rank: what the GPUs have free, the parameters a rank holds and
-the activations of the largest step (EngineArgs subtracts both from the budget to size the
-KV cache)."""
+"""Device memory of one rank, planned from the engine config before anything is allocated.
+
+A rank's HBM holds (MemoryPlan, bytes per rank):
+  weights      its parameters (param_count x dtype size): exact
+  activations  the largest step's transient buffers + 2 GiB slack (CUDA context, allocator,
+               collectives): an allowance (activation_bytes)
+  kv_slots     its device KV pages (all-resident) or slots (two-tier cache): num_pages per
+               layer, K and V: exact
+  summaries    the sparse algorithm's rows (SparseAlgorithm.summary_shapes / _dtypes) for
+               every page an id can name, + one scratch row, per sparse layer. With offload
+               that is every HOST page: summaries grow with the host tier, not the slots: exact
+  metadata     the page directory, the two-tier cache's per-slot arrays and residency index,
+               the scratch page of every layer, the RoPE tables and the sampler's penalty
+               state (allocated on first use, counted at its largest): exact (metadata_bytes)
+  graph_pool   the decode CUDA graphs' private memory pool: an allowance (graph_pool_bytes)
+
+EngineArgs sizes the KV slots from this plan: with the budget derived from
+gpu_memory_utilization, kv_slots are what is left once everything else is counted
+(fit_num_pages); an explicit kv_cache_memory_bytes is the KV slots' size, as in vLLM, the rest
+comes on top and the total is checked against the GPU's free memory. The worker allocates
+exactly what the exact components say (tests/engine/test_memory_plan.py sums its tensors);
+persistent tensors of a few kilobytes at most (a grammar's 2 KiB bit table) fall in the
+activations' slack. The graph pool's allowance is a formula from the shapes, not yet checked
+against a measured pool.
+"""
 from __future__ import annotations
 
-from sparseserve.config import ModelConfig
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+from sparseserve.config import EngineConfig, ModelConfig
 
 GiB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# graph pool allowance (graph_pool_bytes): a captured decode step's transients per row, on
+# top of the layer activations that activation_bytes counts per token: fp32 RoPE of q and k
+# (three [Hq + Hkv, D] fp32 buffers), selection / attention temporaries over every page a row
+# can hold (scores, masks, top-k inputs: four 4-byte values per query head and page), and
+# the allocator's rounding of a pool's blocks (2 MiB segments, one per size class)
+SELECT_BYTES_PER_HEAD_PAGE = 16
+GRAPH_POOL_SLACK = 64 << 20
+# penalty state per row and vocabulary entry: `seen` bool + `counts` int32 (penalties.py)
+PENALTY_BYTES_PER_TOKEN = 5
 
 
 def gpu_memory(tp: int = 1) -> tuple[int, int]:
@@ -32,10 +69,13 @@ def gpu_memory(tp: int = 1) -> tuple[int, int]:
 
 
 def param_count(mc: ModelConfig, tp: int = 1) -> int:
-    """Parameters one of tp ranks holds (model/parallel.py): the projections split tp ways,
-    the embedding and an untied LM head ceil(vocab / tp) rows each, the norms whole."""
+    """Parameters one of tp ranks holds (model/parallel.py): the projections (and Qwen2's
+    q/k/v biases) split tp ways, the embedding and an untied LM head ceil(vocab / tp) rows
+    each, the norms whole."""
     h, i, d = mc.hidden_size, mc.intermediate_size, mc.head_dim
     attn = h * d * (2 * mc.num_attention_heads + 2 * mc.num_key_value_heads) // tp
+    if mc.attention_bias:
+        attn += d * (mc.num_attention_heads + 2 * mc.num_key_value_heads) // tp
     layer = attn + 3 * h * i // tp + 2 * h
     rows = -(-mc.vocab_size // tp)
     head = 0 if mc.tie_word_embeddings else rows * h
@@ -49,3 +89,194 @@ def activation_bytes(mc: ModelConfig, batched_tokens: int, num_seqs: int, tp: in
     allocator, collectives' buffers)."""
     return batched_tokens * (mc.hidden_size * 8 + mc.intermediate_size * 6 // tp) \
         + num_seqs * mc.vocab_size * 12 + 2 * GiB
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Device bytes one rank plans for, by component (the module docstring says what each
+    holds). budget: what the total must fit in — min(free, total x gpu_memory_utilization)
+    when the KV slots were sized from it, the GPU's free memory with an explicit
+    kv_cache_memory_bytes, None on the CPU (no device budget). details: metadata's parts."""
+
+    weights: int
+    activations: int
+    kv_slots: int
+    summaries: int
+    metadata: int
+    graph_pool: int
+    budget: int | None = None
+    details: dict[str, int] = field(default_factory=dict)
+
+    COMPONENTS = ("weights", "activations", "kv_slots", "summaries", "metadata", "graph_pool")
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, c) for c in self.COMPONENTS)
+
+    def as_dict(self) -> dict:
+        """JSON-ready: every component, total, budget and metadata's parts (bytes)."""
+        out = {c: getattr(self, c) for c in self.COMPONENTS}
+        out.update(total=self.total, budget=self.budget, details=dict(self.details))
+        return out
+
+    def describe(self) -> str:
+        """One line for the startup log: the split in GiB, total vs budget."""
+        names = {"kv_slots": "KV slots", "graph_pool": "graph pool"}
+        parts = ", ".join(f"{names.get(c, c)} {getattr(self, c) / GiB:.2f}"
+                          for c in self.COMPONENTS)
+        budget = ("no device budget (CPU)" if self.budget is None
+                  else f"budget {self.budget / GiB:.2f}")
+        return f"memory plan per rank (GiB): {parts}; total {self.total / GiB:.2f}, {budget}"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rank_shape(cfg: EngineConfig) -> tuple[int, int, int, int]:
+    """(layers, KV heads of one rank, head_dim, KV element size)."""
+    mc = cfg.model
+    tp = cfg.parallel.tensor_parallel_size
+    return (mc.num_hidden_layers, mc.num_key_value_heads // tp, mc.head_dim,
+            DTYPE_BYTES[cfg.dtype])
+
+
+def kv_page_bytes(cfg: EngineConfig) -> int:
+    """K + V bytes of one page id over every layer (one KV head)."""
+    layers, _, d, e = _rank_shape(cfg)
+    return 2 * layers * cfg.cache.page_size * d * e
+
+
+def summary_row_bytes(cfg: EngineConfig) -> int:
+    """Summary bytes of one page of one layer (0 without sparse attention)."""
+    if not cfg.sparse.enabled:
+        return 0
+    from sparseserve.sparse import get_algorithm_class
+    sp, ps = cfg.sparse, cfg.cache.page_size
+    algo = get_algorithm_class(sp.algorithm)(ps, sp.token_budget // ps, sp.sink_pages,
+                                             sp.local_pages)
+    _, _, d, e = _rank_shape(cfg)
+    return algo.summary_bytes_per_page(d, e)
+
+
+def summary_bytes(cfg: EngineConfig) -> int:
+    """worker/sparse_runtime.py: per sparse layer one row per page id + a scratch row; page
+    ids are host pages with the two-tier cache, device pages without."""
+    c = cfg.cache
+    ids = c.num_host_pages if c.kv_offload else c.num_pages
+    sparse_layers = cfg.model.num_hidden_layers - cfg.sparse.dense_layers
+    return sparse_layers * (ids + 1) * summary_row_bytes(cfg)
+
+
+def metadata_bytes(cfg: EngineConfig) -> dict[str, int]:
+    """The worker's other persistent device tensors, by part (shapes from the allocating
+    code): forward_context.KVCacheTensors' scratch page; page_directory.PageDirectory
+    (chunk ids [rows + 1, Hkv, n] int32 + offsets [n * C] int32); offload_cache.TwoTierCache
+    (page_of / last_access / owner [L, slots + 1] int64, fill counts [L, 2], quotas
+    [rows + 1], six int64 counters + the loader's two; residency index [L, table_size]
+    int32); the RoPE tables (layers.RotaryEmbedding: [len, D] + [len, 2, D] fp32, inv_freq)
+    and penalties.PenaltyState at its largest ([max_num_seqs, vocab] bool + int32)."""
+    from sparseserve.kernels.residency_hash import table_size
+
+    layers, hkv, d, e = _rank_shape(cfg)
+    c, sc = cfg.cache, cfg.scheduler
+    rows, ps, chunk = sc.max_num_seqs, c.page_size, c.chunk_pages
+    n_chunks = _cdiv(_cdiv(sc.max_model_len, ps), chunk)  # directory entries per row and head
+    out = {
+        "scratch_pages": 2 * layers * ps * d * e,
+        "page_directory": (rows + 1) * hkv * n_chunks * 4 + n_chunks * chunk * 4,
+        "rope_tables": 3 * sc.max_model_len * d * 4 + d // 2 * 4,
+        "penalty_state": rows * cfg.model.vocab_size * PENALTY_BYTES_PER_TOKEN,
+    }
+    if c.kv_offload:
+        s1 = c.num_pages + 1
+        out["offload_tables"] = 3 * layers * s1 * 8 + layers * 2 * 8 + (rows + 1) * 8 + 8 * 8
+        out["residency_index"] = layers * table_size(s1) * 4
+    return out
+
+
+def captures_decode_graphs(cfg: EngineConfig) -> bool:
+    """Whether the runner captures decode CUDA graphs (worker/model_runner.py asks this):
+    on CUDA unless enforce_eager; the per-page baselines sync on the host, so with the
+    two-tier cache only FlashH2D loads with direct (non-memcpy) decode saves."""
+    if cfg.device != "cuda" or cfg.enforce_eager:
+        return False
+    c = cfg.cache
+    return not c.kv_offload or (c.h2d_method == "flash" and c.d2h_method != "memcpy")
+
+
+def graph_pool_bytes(cfg: EngineConfig) -> int:
+    """Allowance for the decode graphs' shared pool (worker/cuda_graphs.py), without
+    measuring: graphs are captured largest bucket first and share one pool, so it holds the
+    largest bucket's peak — per row the layer activations (as activation_bytes counts a
+    token), fp32 RoPE of q and k, the selection / attention temporaries over every page a
+    row can hold (SELECT_BYTES_PER_HEAD_PAGE per query head), with the two-tier cache each
+    KV head's gathered K and V page and scratch summary row, and the logits in the model
+    dtype and fp32 — plus every smaller bucket's logits (kept as the graphs' outputs), the
+    static inputs and GRAPH_POOL_SLACK. 0 when no graph is captured."""
+    if not captures_decode_graphs(cfg):
+        return 0
+    from sparseserve.worker.cuda_graphs import batch_buckets
+
+    mc, tp = cfg.model, cfg.parallel.tensor_parallel_size
+    _, hkv, d, e = _rank_shape(cfg)
+    hq = mc.num_attention_heads // tp
+    width = _cdiv(cfg.scheduler.max_model_len, cfg.cache.page_size)  # pages a row can hold
+    per_row = (mc.hidden_size * 8 + mc.intermediate_size * 6 // tp) * e // 2
+    per_row += 3 * (hq + hkv) * d * 4 + hq * width * SELECT_BYTES_PER_HEAD_PAGE
+    if cfg.cache.kv_offload:
+        per_row += hkv * (2 * cfg.cache.page_size * d * e + summary_row_bytes(cfg))
+    per_row += mc.vocab_size * (e + 4)
+    sizes = batch_buckets(cfg.scheduler.max_num_seqs)
+    kept = sum(sizes[:-1]) * mc.vocab_size * 4
+    return sizes[-1] * (per_row + 3 * 8) + kept + GRAPH_POOL_SLACK
+
+
+def plan_memory(cfg: EngineConfig, budget: int | None = None) -> MemoryPlan:
+    """The device memory plan of one rank of `cfg` (nothing is allocated)."""
+    tp = cfg.parallel.tensor_parallel_size
+    mc, sc = cfg.model, cfg.scheduler
+    meta = metadata_bytes(cfg)
+    return MemoryPlan(
+        weights=param_count(mc, tp) * DTYPE_BYTES[cfg.dtype],
+        activations=activation_bytes(mc, sc.max_num_batched_tokens, sc.max_num_seqs, tp),
+        kv_slots=cfg.cache.num_pages * kv_page_bytes(cfg),
+        summaries=summary_bytes(cfg), metadata=sum(meta.values()),
+        graph_pool=graph_pool_bytes(cfg), budget=budget, details=meta)
+
+
+def fit_num_pages(cfg: EngineConfig, available: int,
+                  plan: Callable[[EngineConfig], MemoryPlan] = plan_memory) -> int:
+    """The most device pages (slots) per layer whose plan fits in `available` bytes (0 if
+    not even the other components fit). Every component is non-decreasing in the page count
+    (the residency index grows in powers of two), so a bisection finds it."""
+    def fits(n: int) -> bool:
+        cache = dataclasses.replace(cfg.cache, num_pages=n)
+        return plan(dataclasses.replace(cfg, cache=cache)).total <= available
+
+    lo, hi = 0, max(0, available) // kv_page_bytes(cfg) + 1  # fits(lo); not fits(hi)
+    if not fits(0):
+        return 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def check_plan(plan: MemoryPlan, explicit: bool) -> None:
+    """Raise when the plan exceeds its budget (on a GPU), naming what to lower. explicit:
+    kv_cache_memory_bytes was given (the budget is then the GPU's free memory)."""
+    if plan.budget is None or plan.total <= plan.budget:
+        return
+    room = plan.budget - (plan.total - plan.kv_slots)
+    where = "the GPU's free memory" if explicit else "its budget"
+    if explicit and room > 0:
+        fix = (f"lower kv_cache_memory_bytes to at most {room} bytes (or leave it unset: the "
+               "KV slots are then sized from gpu_memory_utilization), or lower")
+    else:
+        where += " even without KV slots"
+        fix = "lower"
+    raise ValueError(f"The device memory plan ({plan.describe()}) exceeds {where}: {fix} "
+                     "what else it counts: kv_offloading_size (the summaries of every host "
+                     "page stay in HBM), max_num_seqs or max_model_len (metadata, graph "
+                     "pool), or set enforce_eager (no CUDA graph pool).")

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from sparseserve.config import INJECT_CREDIT_FRACTION, EngineConfig, SparseConfig
+from sparseserve.engine.memory_plan import captures_decode_graphs
 from sparseserve.engine.sched_output import ScheduledChunk, SchedulerOutput
 from sparseserve.kvcache.manager import cdiv
 from sparseserve.model.llama import LlamaForCausalLM
@@ -106,7 +107,7 @@ class ModelRunner:
         self.row_params: dict[int, SamplingParams] = {}
         self.row_stop_ids: dict[int, tuple[int, ...]] = {}  # rows with min_tokens (NewRow)
         self.saved_hidden: dict[str, torch.Tensor] = {}  # layer-segmented prefill state
-        self.sampler = Sampler(self.device, cfg.seed)
+        self.sampler = Sampler(self.device, cfg.seed, max_rows=rows)
         # request id -> grammar matcher: the engine adds one per constrained request and
         # removes it when the request finishes or is aborted; the sampler masks with it
         self.grammars: dict[str, Any] = {}
@@ -127,11 +128,8 @@ class ModelRunner:
             mc.num_attention_heads // (1 if tp is None else tp.size), self.num_kv_heads,
             mc.head_dim, self.scale, self.dtype, self.device, max_len)
         self.graphs = None
-        # the per-page baselines sync on the host, so only the Flash paths are captured
-        capturable = self.offload is None or (self.offload.direct_decode_saves
-                                              and cfg.cache.h2d_method == "flash")
         self.graph_error: str | None = None
-        if self.device.type == "cuda" and not cfg.enforce_eager and capturable:
+        if captures_decode_graphs(cfg):  # the memory plan counted their pool
             from sparseserve.worker.cuda_graphs import DecodeGraphs
             try:
                 self.graphs = DecodeGraphs(self, rows)
@@ -141,6 +139,19 @@ class ModelRunner:
                 logger.warning("CUDA graph capture failed, decoding eagerly: %s",
                                self.graph_error)
                 torch.cuda.synchronize()
+        self._check_memory_plan()
+
+    def _check_memory_plan(self) -> None:
+        """On a GPU, what the allocator holds once everything is built (weights, KV,
+        summaries, metadata, graph pool, cached warm-up transients) against the plan the
+        KV slots were sized with: logged, and a warning when it is over."""
+        plan = self.cfg.memory_plan
+        if self.device.type != "cuda" or plan is None:
+            return
+        held = torch.cuda.memory_reserved(self.device)
+        log = logger.warning if held > plan.total else logger.info
+        log("device memory after start-up: %.2f GiB reserved by torch of the %.2f GiB planned "
+            "(memory plan per rank)", held / 2**30, plan.total / 2**30)
 
     # ---- step -----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -1,7 +1,8 @@
 """Repetition / frequency / presence penalties and logit_bias, batched on the device.
 
 State per batch row, on the device, for the rows whose request has penalties (allocated on
-first use, grown to the highest row seen):
+first use, grown to the highest row seen, never past the batch's rows: the memory plan
+counts [max_num_seqs, V] of it):
   seen   [R, V] bool   token occurs in the request's prompt or output so far
   counts [R, V] int32  occurrences of the token in the output so far
 
@@ -25,8 +26,10 @@ import torch
 
 
 class PenaltyState:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, max_rows: int | None = None) -> None:
+        """max_rows: rows that can ever be fed (None: unbounded); growth stops there."""
         self.device = device
+        self.max_rows = max_rows
         self.seen: torch.Tensor | None = None    # [R, V] bool
         self.counts: torch.Tensor | None = None  # [R, V] int32
         self.bound: dict[int, str] = {}          # row -> request id whose state it holds
@@ -38,6 +41,8 @@ class PenaltyState:
         if self.seen is not None and max_row < rows and self.seen.shape[1] == vocab:
             return
         new_rows = max(max_row + 1, 2 * rows, 8)
+        if self.max_rows is not None:  # doubling past the batch rows would waste HBM
+            new_rows = max(max_row + 1, min(new_rows, self.max_rows))
         seen = torch.zeros((new_rows, vocab), dtype=torch.bool, device=self.device)
         counts = torch.zeros((new_rows, vocab), dtype=torch.int32, device=self.device)
         if self.seen is not None and self.seen.shape[1] == vocab:

@@ -52,12 +52,14 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int, max_rows: int | None = None) -> None:
+        """max_rows: batch rows that can carry penalties (the runner's max_num_seqs): the
+        penalty state never grows past them (the memory plan counts it at that size)."""
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._row_gen = torch.Generator(device=device)
 
-        self.penalties = PenaltyState(device)
+        self.penalties = PenaltyState(device, max_rows)
         self.grammar = GrammarMasks(device)
         self.tensors = SamplingTensorCache()  # per-row parameter tensors, per composition
 

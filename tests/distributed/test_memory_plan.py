@@ -58,9 +58,16 @@ def test_llama3_8b_on_two_gpus_per_rank_budget(two_h200s):
     act2 = 8192 * (4096 * 8 + 14336 * 6 // 2) + 256 * 128256 * 12 + 2 * GiB
     w1 = LLAMA3_8B_PARAMS * 2
     w2 = ((LLAMA3_8B_PARAMS - REPLICATED) // 2 + REPLICATED) * 2
-    assert one.cache.kv_cache_memory_bytes == usable - w1 - act1
-    assert two.cache.kv_cache_memory_bytes == usable - w2 - act2  # per rank
     page_bytes = 2 * 32 * 32 * 128 * 2  # K+V, 32 layers, page_size 32, head_dim 128, bf16
+    for cfg, w, act in ((one, w1, act1), (two, w2, act2)):  # per rank
+        mp = cfg.memory_plan
+        assert (mp.weights, mp.activations, mp.budget) == (w, act, usable)
+        # the KV slots get what weights, activations, metadata and the graph pool leave (no
+        # summaries: dense), in whole pages
+        rest = mp.total - mp.kv_slots
+        assert mp.kv_slots == cfg.cache.kv_cache_memory_bytes
+        assert mp.kv_slots == (usable - rest) // page_bytes * page_bytes
+        assert mp.metadata > 0 and mp.graph_pool > 0
     assert one.cache.num_pages == one.cache.kv_cache_memory_bytes // page_bytes
     assert two.cache.num_pages == two.cache.kv_cache_memory_bytes // page_bytes
     tokens1 = one.cache.num_pages // 8 * 32  # 8 KV heads on the one GPU
