@@ -76,13 +76,14 @@ def engine_kwargs(a, tp: int) -> dict:
 
 
 def memory_plan(engine, tp: int) -> dict:
-    from sparseserve.engine.args import DTYPE_BYTES, _param_count
+    from sparseserve.engine.args import DTYPE_BYTES
+    from sparseserve.engine.memory_plan import param_count
 
     cfg = engine.config
     mc, cc = cfg.model, cfg.cache
     heads = mc.num_key_value_heads // tp
     pool = cc.num_host_pages if cc.kv_offload else cc.num_pages
-    return {"weights_per_rank_gib": _param_count(mc, tp) * DTYPE_BYTES[cfg.dtype] / GiB,
+    return {"weights_per_rank_gib": param_count(mc, tp) * DTYPE_BYTES[cfg.dtype] / GiB,
             "kv_bytes_per_rank_gib": cc.kv_cache_memory_bytes / GiB,
             "kv_heads_per_rank": heads, "device_pages_per_rank": cc.num_pages,
             "host_pages_per_rank": cc.num_host_pages,
