@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparseserve.model.cpu_linear import linear
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -150,8 +152,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused_ok(self.gate_up_weight, [self.gate_proj, self.up_proj]):
-            gate, up = F.linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
+            gate, up = linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        out = self.down_proj(F.silu(gate) * up)
+            gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
+        out = linear(F.silu(gate) * up, self.down_proj.weight)
         return out if self.tp is None else self.tp.all_reduce(out)

@@ -16,10 +16,11 @@ from __future__ import annotations
 from typing import Iterable, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sparseserve.config import ModelConfig
+from sparseserve.model import cpu_linear
+from sparseserve.model.cpu_linear import linear
 from sparseserve.model.layers import (GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears,
                                       fused_ok, rotate)
 from sparseserve.model.parallel import (VOCAB_PARALLEL, TensorParallel, shard_spec,
@@ -57,15 +58,15 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if fused_ok(self.qkv_weight, [self.q_proj, self.k_proj, self.v_proj]):
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(t, hq + 2 * hkv, d)
+            qkv = linear(x, self.qkv_weight, self.qkv_bias).view(t, hq + 2 * hkv, d)
             qk = rotate(qkv[:, :hq + hkv], cos_sin)  # q and k in one rotation
             q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
         else:
-            q = rotate(self.q_proj(x).view(t, hq, d), cos_sin)
-            k = rotate(self.k_proj(x).view(t, hkv, d), cos_sin)
-            v = self.v_proj(x).view(t, hkv, d)
+            q = rotate(linear(x, self.q_proj.weight, self.q_proj.bias).view(t, hq, d), cos_sin)
+            k = rotate(linear(x, self.k_proj.weight, self.k_proj.bias).view(t, hkv, d), cos_sin)
+            v = linear(x, self.v_proj.weight, self.v_proj.bias).view(t, hkv, d)
         out = ctx.attention(self.layer, q, k, v)  # [T, Hq, D]
-        out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -137,10 +138,29 @@ class LlamaForCausalLM(nn.Module):
         their vocabulary slice [N, ceil(vocab / tp)], which is not for sampling."""
         h = self.model.norm(h)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.matmul(h, weight.t()).float()
+        logits = linear(h, weight).float()
         if self.tp is None:
             return logits
         return self.tp.gather_logits(logits, self.config.vocab_size)
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        """The weights forward passes to `linear` (the fused q/k/v and gate/up buffers where
+        their views still alias them, else the separate ones; o/down; the logits weight)."""
+        out = []
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv = [a.q_proj, a.k_proj, a.v_proj]
+            out += [a.qkv_weight] if fused_ok(a.qkv_weight, qkv) else [p.weight for p in qkv]
+            gu = [m.gate_proj, m.up_proj]
+            out += [m.gate_up_weight] if fused_ok(m.gate_up_weight, gu) else [p.weight for p in gu]
+            out += [a.o_proj.weight, m.down_proj.weight]
+        out.append(self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        return out
+
+    def pack_cpu_linears(self) -> int:
+        """Give every linear weight oneDNN's packed copy (model/cpu_linear.py; CPU, fp32):
+        call once the weights are loaded. Returns how many were packed (0: not applicable)."""
+        return sum(cpu_linear.pack(w) for w in self.linear_weights())
 
     @property
     def weight_shard(self):

@@ -79,6 +79,8 @@ class ModelRunner:
         else:
             model.load_weights(iter_weights(source, mc, shard=model.weight_shard))
         self.model = model.eval()
+        if self.device.type == "cpu":
+            model.pack_cpu_linears()  # oneDNN's pre-packed weights (model/cpu_linear.py)
 
         # one extra page and one extra row: the scratch that CUDA-graph padding lanes use
         self.kv = KVCacheTensors(self.num_layers, cfg.cache.num_pages + 1, self.page_size,
