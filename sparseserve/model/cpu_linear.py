@@ -50,16 +50,49 @@ def pack(weight: torch.Tensor) -> bool:
     return True
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``: x [..., in] -> [..., out]; through the packed copy when
-    `weight` has one and x is fp32 on the CPU."""
-    entry = getattr(weight, "cpu_packed", None)
-    if entry is None or x.dtype != torch.float32 or x.device.type != "cpu":
-        return F.linear(x, weight, bias)
-    packed, version, ptr = entry
-    if weight._version != version or weight.data_ptr() != ptr:  # changed since: plain path
-        return F.linear(x, weight, bias)
+def _packed(x: torch.Tensor, *weights: torch.Tensor) -> list | None:
+    """The packed copies of `weights` if every one has a current one and x is fp32 on the
+    CPU, else None (the plain path)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    out = []
+    for w in weights:
+        entry = getattr(w, "cpu_packed", None)
+        if entry is None or w._version != entry[1] or w.data_ptr() != entry[2]:
+            return None  # not packed, or changed since it was
+        out.append(entry[0])
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (+ ``residual``): x [..., in] -> [..., out]; through the
+    packed copy when `weight` has one and x is fp32 on the CPU, the residual add then fused
+    into the GEMM (oneDNN's binary post-op: one pass less over the output)."""
+    packed = _packed(x, weight)
+    if packed is None:
+        out = F.linear(x, weight, bias)
+        return out if residual is None else residual + out
     lead = x.shape[:-1]
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias,
-                                            "none", [], "")
+    x2 = x.reshape(-1, x.shape[-1])
+    if residual is None:
+        out = torch.ops.mkldnn._linear_pointwise(x2, packed[0], bias, "none", [], "")
+    else:
+        out = torch.ops.mkldnn._linear_pointwise.binary(
+            x2, residual.reshape(x2.shape[0], -1), packed[0], bias, "add")
+    return out.view(*lead, out.shape[-1])
+
+
+def silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """silu(x gate^T) * (x up^T) [..., inter] as two GEMMs with fused post-ops (SiLU on the
+    first, the multiply on the second), when both weights are packed; None otherwise (the
+    caller's fused gate/up GEMM is then the better plain path). Measured for SmolLM2's MLP
+    at 2048 rows, one thread: 118 vs 134 ms with the residual add fused into down."""
+    packed = _packed(x, gate, up)
+    if packed is None:
+        return None
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    act = torch.ops.mkldnn._linear_pointwise(x2, packed[0], None, "swish", [], "")
+    out = torch.ops.mkldnn._linear_pointwise.binary(x2, act, packed[1], None, "mul")
     return out.view(*lead, out.shape[-1])

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparseserve.model.cpu_linear import linear
+from sparseserve.model.cpu_linear import linear, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -150,10 +150,16 @@ class GatedMLP(nn.Module):
         with torch.no_grad():
             fuse_linears(self, "gate_up", [self.gate_proj, self.up_proj])  # one GEMM for both
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused_ok(self.gate_up_weight, [self.gate_proj, self.up_proj]):
-            gate, up = linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
-        else:
-            gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
-        out = linear(F.silu(gate) * up, self.down_proj.weight)
-        return out if self.tp is None else self.tp.all_reduce(out)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden] (+ residual, added after the all-reduce with tp)."""
+        act = silu_mul(x, self.gate_proj.weight, self.up_proj.weight)  # CPU, packed weights
+        if act is None:
+            if fused_ok(self.gate_up_weight, [self.gate_proj, self.up_proj]):
+                gate, up = linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
+            else:
+                gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
+            act = F.silu(gate) * up
+        if self.tp is None:
+            return linear(act, self.down_proj.weight, residual=residual)
+        out = self.tp.all_reduce(linear(act, self.down_proj.weight))
+        return out if residual is None else residual + out

@@ -53,7 +53,8 @@ class LlamaAttention(nn.Module):
             fuse_linears(self, "qkv", [self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                ctx: AttentionContext) -> torch.Tensor:
+                ctx: AttentionContext, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x [T, hidden] -> [T, hidden] (+ residual: fused into the O projection on the CPU)
         # cos_sin: RotaryEmbedding.cos_sin of the tokens' positions (once per step)
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -65,9 +66,11 @@ class LlamaAttention(nn.Module):
             q = rotate(linear(x, self.q_proj.weight, self.q_proj.bias).view(t, hq, d), cos_sin)
             k = rotate(linear(x, self.k_proj.weight, self.k_proj.bias).view(t, hkv, d), cos_sin)
             v = linear(x, self.v_proj.weight, self.v_proj.bias).view(t, hkv, d)
-        out = ctx.attention(self.layer, q, k, v)  # [T, Hq, D]
-        out = linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        out = ctx.attention(self.layer, q, k, v).reshape(t, hq * d)  # [T, Hq * D]
+        if self.tp is None:
+            return linear(out, self.o_proj.weight, residual=residual)
+        out = self.tp.all_reduce(linear(out, self.o_proj.weight))
+        return out if residual is None else residual + out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -81,8 +84,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 ctx: AttentionContext) -> torch.Tensor:
         # h is the residual stream [T, hidden]
-        h = h + self.self_attn(self.input_layernorm(h), cos_sin, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attn(self.input_layernorm(h), cos_sin, ctx, residual=h)
+        return self.mlp(self.post_attention_layernorm(h), residual=h)
 
 
 class LlamaModel(nn.Module):
@@ -151,9 +154,9 @@ class LlamaForCausalLM(nn.Module):
             a, m = layer.self_attn, layer.mlp
             qkv = [a.q_proj, a.k_proj, a.v_proj]
             out += [a.qkv_weight] if fused_ok(a.qkv_weight, qkv) else [p.weight for p in qkv]
-            gu = [m.gate_proj, m.up_proj]
-            out += [m.gate_up_weight] if fused_ok(m.gate_up_weight, gu) else [p.weight for p in gu]
-            out += [a.o_proj.weight, m.down_proj.weight]
+            # gate and up apart: with packed weights the MLP runs them as two GEMMs with
+            # fused post-ops (cpu_linear.silu_mul)
+            out += [m.gate_proj.weight, m.up_proj.weight, a.o_proj.weight, m.down_proj.weight]
         out.append(self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
         return out
 

@@ -27,6 +27,24 @@ def test_packed_equals_f_linear(rows, bias):
     assert cpu_linear.linear(x3, w, b).shape == (1, rows, 96)
 
 
+@pytest.mark.parametrize("rows", [1, 17, 2048])
+def test_fused_residual_add_and_silu_mul(rows):
+    g = torch.Generator().manual_seed(rows + 1)
+    gate, up, down = (torch.randn(*s, generator=g) * 0.2 for s in ((48, 24), (48, 24), (24, 48)))
+    x = torch.randn(rows, 24, generator=g)
+    h = torch.randn(rows, 24, generator=g)
+    want_act = F.silu(F.linear(x, gate)) * F.linear(x, up)
+    want = h + F.linear(want_act, down)
+    assert cpu_linear.silu_mul(x, gate, up) is None  # not packed: the caller's plain path
+    for w in (gate, up, down):
+        cpu_linear.pack(w)
+    h0 = h.clone()
+    act = cpu_linear.silu_mul(x, gate, up)
+    torch.testing.assert_close(act, want_act, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu_linear.linear(act, down, residual=h), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(h, h0)  # the residual is read, not written
+
+
 def test_plain_path_for_other_dtypes_and_changed_weights():
     g = torch.Generator().manual_seed(0)
     w16 = torch.randn(8, 4, generator=g).to(torch.bfloat16)
@@ -56,6 +74,6 @@ def test_model_packs_what_forward_uses_and_logits_match():
     h = torch.randn(5, cfg.hidden_size)
     plain = model.compute_logits(h)
     n = model.pack_cpu_linears()
-    # per layer: fused qkv, o, fused gate/up, down; plus the logits weight
-    assert n == 4 * cfg.num_hidden_layers + 1 == len(model.linear_weights())
+    # per layer: fused qkv, gate, up (two GEMMs with post-ops), o, down; the logits weight
+    assert n == 5 * cfg.num_hidden_layers + 1 == len(model.linear_weights())
     torch.testing.assert_close(model.compute_logits(h), plain, rtol=1e-5, atol=1e-5)
