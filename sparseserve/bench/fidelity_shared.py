@@ -294,10 +294,9 @@ def shared_shortlist_class(cls):
     """A key-code shortlist algorithm (sparse/keycode_shortlist.py) scored from the shared text
     (fast mode): the box bounds of every page from one summary read for all rows, the
     shortlist by the algorithm's own ``shortlist``, the code bounds from one decode of the
-    text's approximate keys, then ``ref.shortlist_scores`` — its score()'s math (that one
-    decodes only the shortlisted pages; the scores outside the shortlist are masked)."""
-    from sparseserve.kernels.ref import shortlist_scores
-
+    text's approximate keys, then its ``from_code_bounds`` (``ref.shortlist_scores``) — its
+    score()'s math (that one decodes only the shortlisted pages; the scores outside the
+    shortlist are masked)."""
     class SharedShortlist(cls):
         shared: SharedText | None = None
         fused_select = False  # the generic select, over score() below
@@ -318,8 +317,7 @@ def shared_shortlist_class(cls):
             x = torch.einsum("bhgd,hwtd->bhgwt", q.float().view(b, sh.hkv, hq // sh.hkv, d),
                              kh) * scale
             code = (torch.logsumexp(x, dim=-1) / scale).masked_fill(past, float("-inf"))
-            return shortlist_scores(code, in_short, num_pages, self.sink_pages,
-                                    self.local_pages, scale)
+            return self.from_code_bounds(code, in_short, num_pages, scale)
 
     SharedShortlist.__name__ = f"Shared{cls.__name__}"
     return SharedShortlist

@@ -59,8 +59,13 @@ class KeyCodeShortlist(KeyCode2):
         in_short = self.shortlist(head_bounds(q, kmin, kmax, page_table, num_pages),
                                   num_pages, scale)
         code = self.shortlisted_code_bounds(q, page_table, in_short, summaries)
-        return shortlist_scores(code, in_short, num_pages, self.sink_pages, self.local_pages,
-                                scale)
+        return self.from_code_bounds(code, in_short, num_pages, scale)
+
+    def from_code_bounds(self, code_bounds, in_short, num_pages, scale):
+        """Page scores [B, Hkv, W] from per-head code bounds (valid on the shortlist) and the
+        shortlist: ``ref.shortlist_scores``. Evaluation variants override this alone."""
+        return shortlist_scores(code_bounds, in_short, num_pages, self.sink_pages,
+                                self.local_pages, scale)
 
     def shortlisted_code_bounds(self, q, page_table, in_short, summaries):
         """[B, Hkv, G, W] ``code_page_bounds`` of the shortlisted pages (their codes alone are
