@@ -8,6 +8,13 @@ answers, not engine code:
   shortlist holds keycode2's choice; the gap to the shortlist algorithm is what normalising
   over the shortlist costs, the gap to keycode2 what the box shortlist misses.
 
+* ``keycode2-sl-max`` / ``keycode2-sl2-max`` — stage 1 ranks pages by the *max* over the GQA
+  group's heads of each head's box mass (not the sum): every head's favourites compete
+  equally. Same bytes.
+* ``keycode2-sl-ark`` / ``keycode2-sl2-ark`` — stage 1 bounds each page by ArkVale's tighter
+  box (centre ± the mean |key - centre| per channel, a second pair of vectors stored beside
+  keycode2's: registered here, summaries 12.5 % of the KV bytes); stage 2 as keycode2-sl.
+
 Fast mode: the shortlist algorithms' shared-text twin (``fidelity_shared``), which calls the
 variant's ``from_code_bounds`` with the code bounds of every page.
 
@@ -26,7 +33,8 @@ import torch
 
 from sparseserve.bench import fidelity_variants
 from sparseserve.kernels import code_page_bounds, head_bounds
-from sparseserve.kernels.ref import mass_from_bounds
+from sparseserve.kernels.ref import mass_from_bounds, select_from_scores
+from sparseserve.sparse.base import register
 from sparseserve.sparse.keycode_shortlist import KeyCode2Shortlist, KeyCode2Shortlist2
 
 
@@ -54,6 +62,71 @@ class KeyCode2ShortlistAllNorm(AllNorm, KeyCode2Shortlist):
 
 class KeyCode2Shortlist2AllNorm(AllNorm, KeyCode2Shortlist2):
     pass
+
+
+class MaxOverHeads:
+    """Stage 1 by the max over the group's heads of each head's box mass."""
+
+    def shortlist(self, box_bounds, num_pages, scale):
+        G = box_bounds.shape[2]
+        mass = torch.stack([mass_from_bounds(box_bounds[:, :, g:g + 1], num_pages,
+                                             self.sink_pages, self.local_pages, scale)
+                            for g in range(G)]).amax(0)
+        B, Hkv, W = mass.shape
+        blk = torch.arange(W).expand(B, Hkv, W)
+        _, num, blocks = select_from_scores(mass, blk, num_pages, self.shortlist_pages,
+                                            self.sink_pages, self.local_pages, stable=True)
+        ok = torch.arange(blocks.shape[-1]).view(1, 1, -1) < num.long()[..., None]
+        m = torch.zeros(B, Hkv, W + 1, dtype=torch.bool)
+        return m.scatter_(2, torch.where(ok, blocks, W), True)[..., :W]
+
+
+class KeyCode2ShortlistMax(MaxOverHeads, KeyCode2Shortlist):
+    pass
+
+
+class KeyCode2Shortlist2Max(MaxOverHeads, KeyCode2Shortlist2):
+    pass
+
+
+class ArkBox:
+    """Stage 1 on ArkVale's box, stored beside keycode2's summaries."""
+
+    summary_names = ("kmin", "kmax", "codes", "akmin", "akmax")
+
+    def summary_shapes(self, head_dim):
+        return {**super().summary_shapes(head_dim), "akmin": (head_dim,), "akmax": (head_dim,)}
+
+    def index(self, k_cache, page_ids, num_tokens, summaries, queries):
+        super().index(k_cache, page_ids, num_tokens, summaries, queries)
+        live = page_ids >= 0
+        rows = torch.where(live, page_ids, summaries["kmin"].shape[0] - 1).long()
+        k = k_cache[torch.where(live, page_ids, 0).long()].float()         # [N, ps, D]
+        ok = torch.arange(k.shape[1]).view(1, -1, 1) < num_tokens.view(-1, 1, 1)
+        c = (summaries["kmin"][rows].float() + summaries["kmax"][rows].float()) * 0.5
+        r = torch.where(ok, (k - c.unsqueeze(1)).abs(), 0.0).sum(1) \
+            / num_tokens.clamp(min=1).view(-1, 1).float()
+        summaries["akmin"][rows] = (c - r).to(summaries["akmin"].dtype)
+        summaries["akmax"][rows] = (c + r).to(summaries["akmax"].dtype)
+
+    def shortlist_box(self, summaries):
+        return summaries["akmin"], summaries["akmax"]
+
+
+@register("keycode2-sl-ark")
+class KeyCode2ShortlistArk(ArkBox, KeyCode2Shortlist):
+    pass
+
+
+@register("keycode2-sl2-ark")
+class KeyCode2Shortlist2Ark(ArkBox, KeyCode2Shortlist2):
+    pass
+
+
+for _name, _base, _cls in (("keycode2-sl-max", "keycode2-sl", KeyCode2ShortlistMax),
+                           ("keycode2-sl2-max", "keycode2-sl2", KeyCode2Shortlist2Max)):
+    fidelity_variants.VARIANTS[_name] = _base
+    fidelity_variants.CLASSES[_name] = _cls
 
 
 for _name, _base, _cls in (("keycode2-sl-allnorm", "keycode2-sl", KeyCode2ShortlistAllNorm),

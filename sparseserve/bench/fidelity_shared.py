@@ -310,7 +310,7 @@ def shared_shortlist_class(cls):
             w = page_table.shape[2]
             scale = d ** -0.5
             past = torch.arange(w).view(1, 1, 1, w) >= num_pages.unsqueeze(-1).unsqueeze(-1)
-            box = bound_scores(sh, q, summaries["kmin"], summaries["kmax"], w)
+            box = bound_scores(sh, q, *self.shortlist_box(summaries), w)
             in_short = self.shortlist(box.masked_fill(past, float("-inf")), num_pages, scale)
             rows = sh.base + torch.arange(w).view(1, w) * sh.hkv + torch.arange(sh.hkv).view(-1, 1)
             kh = self.approx_keys(summaries, rows)  # [Hkv, w, ps, D]

@@ -46,6 +46,10 @@ class KeyCodeShortlist(KeyCode2):
         self.shortlist_pages = max(self.shortlist_factor * budget_pages, budget_pages,
                                    sink_pages + local_pages + 1)
 
+    def shortlist_box(self, summaries):
+        """(lo, hi) [rows, D]: the box stage 1 bounds each page by (the codes' min / max)."""
+        return summaries["kmin"], summaries["kmax"]
+
     def shortlist(self, box_bounds, num_pages, scale):
         """[B, Hkv, W] bool: the shortlisted pages, from per-query-head box bounds."""
         return shortlist_mask(box_bounds, num_pages, self.shortlist_pages, self.sink_pages,
@@ -54,10 +58,10 @@ class KeyCodeShortlist(KeyCode2):
     def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
         """[B, Hkv, W]: code mass normalised over the shortlist (``ref.shortlist_scores``),
         -inf outside it; the codes of shortlisted pages only are read."""
-        kmin, kmax = summaries["kmin"], summaries["kmax"]
+        lo, hi = self.shortlist_box(summaries)
         scale = q.shape[-1] ** -0.5
-        in_short = self.shortlist(head_bounds(q, kmin, kmax, page_table, num_pages),
-                                  num_pages, scale)
+        in_short = self.shortlist(head_bounds(q, lo, hi, page_table, num_pages), num_pages,
+                                  scale)
         code = self.shortlisted_code_bounds(q, page_table, in_short, summaries)
         return self.from_code_bounds(code, in_short, num_pages, scale)
 
@@ -87,7 +91,11 @@ class KeyCodeShortlist(KeyCode2):
     def select(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
         """Two fused select calls (``kernels.select_pages_shortlist``): the same set of pages
         as the generic select over score()."""
-        if not self.fused_select or type(self).score is not KeyCodeShortlist.score:
+        cls = type(self)
+        if not self.fused_select or cls.score is not KeyCodeShortlist.score \
+                or cls.shortlist is not KeyCodeShortlist.shortlist \
+                or cls.shortlist_box is not KeyCodeShortlist.shortlist_box \
+                or cls.from_code_bounds is not KeyCodeShortlist.from_code_bounds:
             return SparseAlgorithm.select(self, q, page_table, num_pages, last_page_len,
                                           summaries, k_cache)
         pages, num_sel, blocks = select_pages_shortlist(
