@@ -8,6 +8,7 @@ answers, not engine code:
   shortlist holds keycode2's choice; the gap to the shortlist algorithm is what normalising
   over the shortlist costs, the gap to keycode2 what the box shortlist misses.
 
+* ``keycode2-sl8`` — the shortlist at S = 8 x budget (how the loss shrinks with S).
 * ``keycode2-sl-max`` / ``keycode2-sl2-max`` — stage 1 ranks pages by the *max* over the GQA
   group's heads of each head's box mass (not the sum): every head's favourites compete
   equally. Same bytes.
@@ -123,7 +124,12 @@ class KeyCode2Shortlist2Ark(ArkBox, KeyCode2Shortlist2):
     pass
 
 
-for _name, _base, _cls in (("keycode2-sl-max", "keycode2-sl", KeyCode2ShortlistMax),
+class KeyCode2Shortlist8(KeyCode2Shortlist):
+    shortlist_factor = 8
+
+
+for _name, _base, _cls in (("keycode2-sl8", "keycode2-sl", KeyCode2Shortlist8),
+                           ("keycode2-sl-max", "keycode2-sl", KeyCode2ShortlistMax),
                            ("keycode2-sl2-max", "keycode2-sl2", KeyCode2Shortlist2Max)):
     fidelity_variants.VARIANTS[_name] = _base
     fidelity_variants.CLASSES[_name] = _cls
