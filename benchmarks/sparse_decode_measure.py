@@ -44,7 +44,7 @@ def build_pool(torch, s, device, dtype, ctx, bmax, names):
 
 
 def measure_combo(torch, bench, s, pool, ctx, batch, copy_bw, backend, graphs):
-    from sparseserve.kernels import paged_decode_attention, ref, select_pages
+    from sparseserve.kernels import paged_decode_attention, ref
     from sparseserve.sparse import SparseAlgorithm
 
     hq, hkv, d, ps = s["num_q_heads"], s["num_kv_heads"], s["head_dim"], s["page_size"]
