@@ -8,17 +8,24 @@ layer's K/V pool holds every request's pages in a random physical order (fragmen
 * dense:  ``paged_decode_attention`` over all pages;
 * select: the algorithm's ``select`` (for arkvale and quest the fused Triton kernel
   ``kernels.select_pages``: per-head bounds, mass scores, kept pages and top-k in one kernel,
-  or two launches in split mode); attend:
+  or two launches in split mode; for keycode2 the same kernel decoding key codes; for the
+  key-code shortlist ``keycode2-sl`` / ``keycode2-sl2`` ``kernels.select_pages_shortlist``:
+  the box select at budget S = 4 / 2 x budget, the code select over those S pages, a gather);
+  attend:
   ``paged_decode_attention`` over the selection; their sum; and select + attend captured together
   in one CUDA graph;
-* fused: ``kernels.select_pages`` called directly with the run's kernel backend (so ``--smoke``
-  runs the Triton kernel in the interpreter; on the GPU it is ``select`` minus the wrapper);
+* fused: the algorithm's kernel path (``kernels.select_pages``, with ``codes=`` for key codes;
+  ``kernels.select_pages_shortlist`` for the shortlist) called directly with the run's kernel
+  backend (so ``--smoke`` runs the Triton kernels in the interpreter; on the GPU it is
+  ``select`` minus the wrapper);
 * select_unfused: the generic ``SparseAlgorithm.select`` (per-head score kernel + torch mass
   normalisation + ~25 torch ops + topk), the path the fused kernel replaces, and its breakdown:
   the score (``alg.score``: kernel + mass) alone,
   ``torch.topk`` alone (sorted / unsorted), the rest (``select_glue_us``);
-* bytes each reads (dense: all K/V; attend: the selected pages' K/V; select: summaries + page
-  table) -> TB/s and its fraction of a device-to-device copy measured in the same run
+* bytes each reads (dense: all K/V; attend: the selected pages' K/V; select: every summary
+  row of every page + page table — for the shortlist: every page's box, box and codes of the S
+  shortlisted pages only; ``checks.spec_set_mismatch_frac``: its selection of request 0 vs
+  ``ref.select_pages_shortlist``) -> TB/s and its fraction of a device-to-device copy measured in the same run
   (``copy_`` of a 2 GiB buffer, read + write bytes); summary bytes / KV bytes.
 
 Two timings per operation. ``*_us``: device time (a spin kernel holds the GPU while the CPU
@@ -36,6 +43,8 @@ nothing is skipped by default); ``--max-kv-scope model`` applies it to all 32 la
 Combos that do not fit in free memory, or past ``--budget-s`` (270 s), are skipped and listed.
 
     python benchmarks/sparse_decode.py --out DIR          # H200, about 1-2 minutes
+    python benchmarks/sparse_decode.py --out DIR --contexts 131072 --batches 16 \
+        --algorithms arkvale,keycode2,keycode2-sl,keycode2-sl2 --budget-s 120  # the shortlist
     python benchmarks/sparse_decode.py --smoke --out DIR  # CPU, Triton interpreter
 
 Writes DIR/sparse_decode.json (rows, command, GPU, versions, date) and DIR/sparse_decode.png;

@@ -44,7 +44,7 @@ def build_pool(torch, s, device, dtype, ctx, bmax, names):
 
 
 def measure_combo(torch, bench, s, pool, ctx, batch, copy_bw, backend, graphs):
-    from sparseserve.kernels import paged_decode_attention, ref, select_pages
+    from sparseserve.kernels import paged_decode_attention, ref
     from sparseserve.sparse import SparseAlgorithm
 
     hq, hkv, d, ps = s["num_q_heads"], s["num_kv_heads"], s["head_dim"], s["page_size"]
@@ -83,9 +83,7 @@ def measure_combo(torch, bench, s, pool, ctx, batch, copy_bw, backend, graphs):
         # the generic path (what select was before the fused kernel), for the comparison
         unfused = lambda: SparseAlgorithm.select(alg, q, pt, npg, lpl, summ, k)  # noqa: E731
         box = "kmin" in summ.tensors and "kmax" in summ.tensors
-        fused = lambda: select_pages(  # noqa: E731
-            q, summ["kmin"], summ["kmax"], pt, npg, lpl, alg.budget_pages, alg.sink_pages,
-            alg.local_pages, backend=backend)
+        fused = _fused_call(alg, summ, q, pt, npg, lpl, backend)
         r = dict(base, algorithm=name, fused_select=bool(
             getattr(alg, "fused_select", False) and type(alg).select is not SparseAlgorithm.select))
         tm = {"select": bench.time(select), "attend": bench.time(lambda: attend(sel)),
@@ -116,7 +114,7 @@ def measure_combo(torch, bench, s, pool, ctx, batch, copy_bw, backend, graphs):
             r["graph_error"] = "skipped: CUDA graphs need a GPU"
         sel_pages = sel.num_pages.long()
         attend_bytes = int(sel_pages.sum()) * ps * d * 2 * es
-        summ_bytes_read = batch * hkv * n * len(summ.tensors) * d * es
+        summ_bytes_read = batch * hkv * _summary_bytes_per_row(alg, summ, n)
         select_bytes = summ_bytes_read + pt.numel() * pt.element_size()
         summ_total = sum(x.numel() * x.element_size() for x in summ.tensors.values())
         r["select_plus_attend_us"] = r["select_us"] + r["attend_us"]
@@ -143,7 +141,7 @@ def measure_combo(torch, bench, s, pool, ctx, batch, copy_bw, backend, graphs):
         sb = sel.page_table[:b], sel.num_pages[:b], sel.last_page_len[:b]
         want = ref.paged_decode_attention(q[:b], k, v, *sb, scale)
         ck = {"attend_max_abs_err": (attend(sel)[:b].float() - want.float()).abs().max().item()}
-        if "kmin" in summ.tensors and "kmax" in summ.tensors:
+        if box and "codes" not in summ.tensors:
             # Quest/ArkVale score by estimated mass (in [0, G]; +inf kept / last, -inf past n)
             sref = ref.page_mass(q[:b], summ["kmin"], summ["kmax"], pt[:b], npg[:b],
                                  alg.sink_pages, alg.local_pages)
@@ -157,6 +155,14 @@ def measure_combo(torch, bench, s, pool, ctx, batch, copy_bw, backend, graphs):
             got = fused()
             ck["fused_set_mismatch_frac"] = _set_mismatch(
                 torch, type(sel)(got[0], got[1], lpl, got[2]), unfused(), b, n)
+        shortlist = getattr(alg, "shortlist_pages", None)
+        r["shortlist_pages"] = shortlist
+        if shortlist is not None and n <= 16384:  # the spec decodes every page: one request
+            spec = ref.select_pages_shortlist(
+                q[:1], summ["kmin"], summ["kmax"], summ["codes"], pt[:1], npg[:1], lpl[:1],
+                alg.budget_pages, shortlist, alg.sink_pages, alg.local_pages, alg.bits)
+            ck["spec_set_mismatch_frac"] = _set_mismatch(
+                torch, type(sel)(spec[0], spec[1], lpl[:1], spec[2]), sel, 1, n)
         r["checks"] = ck
         r["meets"] = {"ratio": r["ratio"] <= TARGETS["ratio_max"],
                       "attend_bw": (r["attend_bw_frac_copy"] or 0) >= TARGETS["attend_bw_frac_min"],
@@ -175,3 +181,33 @@ def _set_mismatch(torch, a, b, rows, W):
         return z.scatter_add_(2, torch.where(ok > 0, blk.clamp(0, W - 1), W), ok)[..., :W]
     ha, hb = onehot(a), onehot(b)
     return 1.0 - float((ha.clamp(max=1) * hb.clamp(max=1)).sum() / ha.sum().clamp(min=1))
+
+
+def _fused_call(alg, summ, q, pt, npg, lpl, backend):
+    """The algorithm's fused kernel path called directly on ``backend``: the key-code shortlist
+    (two selects), the key-code select, or the box select."""
+    from sparseserve.kernels import select_pages, select_pages_shortlist
+
+    if "kmin" not in summ.tensors or "kmax" not in summ.tensors:
+        return None
+    a = (alg.budget_pages, alg.sink_pages, alg.local_pages)
+    if getattr(alg, "shortlist_pages", None) is not None:
+        return lambda: select_pages_shortlist(  # noqa: E731
+            q, summ["kmin"], summ["kmax"], summ["codes"], pt, npg, lpl, alg.budget_pages,
+            alg.shortlist_pages, alg.sink_pages, alg.local_pages, alg.bits, backend=backend)
+    if "codes" in summ.tensors:
+        return lambda: select_pages(q, summ["kmin"], summ["kmax"], pt, npg, lpl, *a,  # noqa
+                                    backend=backend, codes=summ["codes"], bits=alg.bits)
+    return lambda: select_pages(q, summ["kmin"], summ["kmax"], pt, npg, lpl, *a,  # noqa: E731
+                                backend=backend)
+
+
+def _summary_bytes_per_row(alg, summ, n):
+    """Summary bytes one (request, KV head) row's select reads at n pages: every summary row
+    of every page; for the key-code shortlist, the box of every page and box + codes of the
+    shortlisted pages only."""
+    row = {name: t.shape[1] * t.element_size() for name, t in summ.tensors.items()}
+    s = getattr(alg, "shortlist_pages", None)
+    if s is not None and s < n:
+        return n * (row["kmin"] + row["kmax"]) + s * sum(row.values())
+    return n * sum(row.values())

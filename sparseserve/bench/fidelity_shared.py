@@ -288,3 +288,36 @@ def shared_codes_class(cls):
 
     SharedCodes.__name__ = f"Shared{cls.__name__}"
     return SharedCodes
+
+
+def shared_shortlist_class(cls):
+    """A key-code shortlist algorithm (sparse/keycode_shortlist.py) scored from the shared text
+    (fast mode): the box bounds of every page from one summary read for all rows, the
+    shortlist by the algorithm's own ``shortlist``, the code bounds from one decode of the
+    text's approximate keys, then its ``from_code_bounds`` (``ref.shortlist_scores``) — its
+    score()'s math (that one decodes only the shortlisted pages; the scores outside the
+    shortlist are masked)."""
+    class SharedShortlist(cls):
+        shared: SharedText | None = None
+        fused_select = False  # the generic select, over score() below
+
+        def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
+            sh = self.shared
+            if sh is None or not sh.covers(page_table, num_pages):
+                return super().score(q, page_table, num_pages, last_page_len, summaries,
+                                     k_cache)
+            b, hq, d = q.shape
+            w = page_table.shape[2]
+            scale = d ** -0.5
+            past = torch.arange(w).view(1, 1, 1, w) >= num_pages.unsqueeze(-1).unsqueeze(-1)
+            box = bound_scores(sh, q, *self.shortlist_box(summaries), w)
+            in_short = self.shortlist(box.masked_fill(past, float("-inf")), num_pages, scale)
+            rows = sh.base + torch.arange(w).view(1, w) * sh.hkv + torch.arange(sh.hkv).view(-1, 1)
+            kh = self.approx_keys(summaries, rows)  # [Hkv, w, ps, D]
+            x = torch.einsum("bhgd,hwtd->bhgwt", q.float().view(b, sh.hkv, hq // sh.hkv, d),
+                             kh) * scale
+            code = (torch.logsumexp(x, dim=-1) / scale).masked_fill(past, float("-inf"))
+            return self.from_code_bounds(code, in_short, num_pages, scale)
+
+    SharedShortlist.__name__ = f"Shared{cls.__name__}"
+    return SharedShortlist

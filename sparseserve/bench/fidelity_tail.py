@@ -24,7 +24,8 @@ import torch
 
 from sparseserve.bench.fidelity_shared import (RecallMeter, SharedOracle, SharedText,
                                                 fast_decode_attention,
-                                               shared_bounds_class, shared_codes_class)
+                                               shared_bounds_class, shared_codes_class,
+                                               shared_shortlist_class)
 from sparseserve.bench.fidelity_variants import CLASSES, VARIANTS
 from sparseserve.config import SparseConfig
 from sparseserve.engine.sched_output import NewRow, ScheduledChunk, SchedulerOutput
@@ -32,6 +33,7 @@ from sparseserve.kvcache.manager import cdiv
 from sparseserve.request import SamplingParams
 from sparseserve.sparse import get_algorithm_class
 from sparseserve.sparse.algorithms import Oracle, Quest
+from sparseserve.sparse.keycode_shortlist import KeyCodeShortlist
 from sparseserve.sparse.keycodes import KeyCodes
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
@@ -246,6 +248,8 @@ def _fast_algorithm(a, shared: SharedText):
         cls = SharedOracle
     elif isinstance(a, Quest):  # quest, arkvale, their sub-page boxes and scoring variants
         cls = shared_bounds_class(type(a))
+    elif isinstance(a, KeyCodeShortlist):  # before KeyCodes: its score is the shortlist's
+        cls = shared_shortlist_class(type(a))
     elif isinstance(a, KeyCodes):
         cls = shared_codes_class(type(a))
     else:

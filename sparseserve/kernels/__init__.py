@@ -27,7 +27,7 @@ import torch
 from . import ref
 
 __all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "head_bounds",
-           "select_pages", "code_page_bounds", "resolve_backend",
+           "select_pages", "select_pages_shortlist", "code_page_bounds", "resolve_backend",
            "patch_triton_interpreter", "BACKENDS", "SCORE_MODES", "ref"]
 
 BACKENDS = ("auto", "triton", "torch")
@@ -172,3 +172,18 @@ def code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits, out=None
         return ref.code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits, out)
     from .code_scores import code_page_bounds as _triton
     return _triton(q, kmin, kmax, codes, page_table, num_pages, bits, out)
+
+
+def select_pages_shortlist(q, kmin, kmax, codes, page_table, num_pages, last_page_len,
+                           budget_pages, shortlist_pages, sink_pages, local_pages, bits, *,
+                           backend=None, num_splits=None):
+    """Key-code shortlist selection: box mass of every page -> ``shortlist_pages`` pages ->
+    key codes of those alone -> ``budget_pages`` (two ``select_pages`` calls and a gather;
+    see ``shortlist.select_pages_shortlist``, spec ``ref.select_pages_shortlist``). Both
+    stages run on ``backend`` (Triton for CUDA tensors by default, the reference otherwise).
+    Returns pages [B, Hkv, K] int32, num_sel [B, Hkv] int32, blocks [B, Hkv, K] int64 with
+    K = max(1, min(budget_pages - 1, W)) + 1."""
+    from .shortlist import select_pages_shortlist as _two_stage
+    return _two_stage(q, kmin, kmax, codes, page_table, num_pages, last_page_len, budget_pages,
+                      shortlist_pages, sink_pages, local_pages, bits, backend=backend,
+                      num_splits=num_splits)

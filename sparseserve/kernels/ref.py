@@ -17,7 +17,8 @@ import torch
 
 __all__ = ["paged_decode_attention", "paged_decode_plan", "paged_decode_planned",
            "update_page_summaries", "score_pages", "head_bounds", "sub_bounds", "sub_table", "sub_page_rows", "mass_from_bounds", "page_mass",
-           "select_pages", "merge_attention", "paged_decode_lse", "code_page_bounds",
+           "select_pages", "select_from_scores", "shortlist_mask", "shortlist_scores",
+           "select_pages_shortlist", "merge_attention", "paged_decode_lse", "code_page_bounds",
            "SCORE_MODES"]
 
 SCORE_MODES = ("quest", "arkvale")
@@ -320,24 +321,84 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     else:
         scores = page_mass(q, kmin, kmax, page_table, num_pages, sink_pages, local_pages,
                            n_sub=n_sub)
+    res = select_from_scores(scores, page_table, num_pages, budget_pages, sink_pages,
+                             local_pages)
+    outs = (out_pages, out_num, out_blocks)
+    return tuple(r if o is None else o.copy_(r) for o, r in zip(outs, res))
+
+
+def select_from_scores(scores, page_table, num_pages, budget_pages, sink_pages, local_pages,
+                       stable=False):
+    """``select_pages``' selection over given page scores [B, Hkv, W] (``-inf`` past
+    num_pages): kept pages forced, the last page appended at num_sel - 1, the top
+    ``max(1, min(budget - 1, W))`` others (``torch.topk``: descending score; ``stable``: a
+    stable sort instead, ties to the lower block, the fused kernel's rule) -> (pages int32,
+    num_sel int32, blocks int64) as ``select_pages`` returns them."""
+    W = scores.shape[-1]
     n = num_pages.long().unsqueeze(-1)                                         # [B, Hkv, 1]
-    blk = torch.arange(W, device=q.device).view(1, 1, W)
+    blk = torch.arange(W, device=scores.device).view(1, 1, W)
     kept = ((blk < sink_pages) | (blk >= n - local_pages)) & (blk < n)
     scores = torch.where(kept, torch.full_like(scores, float("inf")), scores)
     # the last page is appended at the end of the list (attend needs it there)
     scores = torch.where(blk == n - 1, torch.full_like(scores, float("-inf")), scores)
     k = max(1, min(budget_pages - 1, W))
-    vals, idx = scores.topk(k, dim=-1)                                         # [B, Hkv, k]
+    if stable:
+        vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+        vals, idx = vals[..., :k], idx[..., :k]
+    else:
+        vals, idx = scores.topk(k, dim=-1)                                     # [B, Hkv, k]
     num_sel = (vals > float("-inf")).sum(-1, keepdim=True) + 1                 # [B, Hkv, 1]
     blocks = torch.cat([idx, torch.zeros_like(idx[..., :1])], dim=-1)          # [B, Hkv, k + 1]
     last = (n - 1).clamp(min=0)
-    pos = torch.arange(k + 1, device=q.device).view(1, 1, -1)
+    pos = torch.arange(k + 1, device=scores.device).view(1, 1, -1)
     blocks = torch.where(pos >= num_sel - 1, last, blocks)
     pages = page_table.gather(2, blocks).to(torch.int32)
-    num_sel = num_sel.squeeze(-1).to(torch.int32)
-    outs = (out_pages, out_num, out_blocks)
-    res = (pages, num_sel, blocks)
-    return tuple(r if o is None else o.copy_(r) for o, r in zip(outs, res))
+    return pages, num_sel.squeeze(-1).to(torch.int32), blocks
+
+
+def shortlist_mask(box_bounds, num_pages, shortlist_pages, sink_pages, local_pages, scale):
+    """[B, Hkv, W] bool: the shortlist of ``select_pages_shortlist`` — what ``select_pages``
+    selects at budget ``shortlist_pages`` from Quest's box mass (``mass_from_bounds`` of the
+    per-head box bounds ``box_bounds`` [B, Hkv, G, W], -inf past num_pages): the kept pages,
+    the last page and the others of highest box mass (ties: lower block first)."""
+    mass = mass_from_bounds(box_bounds, num_pages, sink_pages, local_pages, scale)
+    B, Hkv, W = mass.shape
+    blk = torch.arange(W, device=mass.device).expand(B, Hkv, W)
+    _, num, blocks = select_from_scores(mass, blk, num_pages, shortlist_pages, sink_pages,
+                                        local_pages, stable=True)
+    ok = torch.arange(blocks.shape[-1], device=mass.device).view(1, 1, -1) < num.long()[..., None]
+    m = torch.zeros(B, Hkv, W + 1, dtype=torch.bool, device=mass.device)
+    return m.scatter_(2, torch.where(ok, blocks, W), True)[..., :W]
+
+
+def shortlist_scores(code_bounds, in_short, num_pages, sink_pages, local_pages, scale):
+    """[B, Hkv, W] page scores of ``select_pages_shortlist``'s final choice: the approximate
+    token attention mass from key codes (``code_bounds`` [B, Hkv, G, W], any values outside
+    the shortlist) with each head's softmax over the *shortlisted* full pages only; +inf kept
+    / last page, -inf outside the shortlist and past num_pages (``mass_from_bounds``)."""
+    x = code_bounds.masked_fill(~in_short.unsqueeze(2), float("-inf"))
+    mass = mass_from_bounds(x, num_pages, sink_pages, local_pages, scale)
+    return mass.masked_fill(~in_short, float("-inf"))
+
+
+def select_pages_shortlist(q, kmin, kmax, codes, page_table, num_pages, last_page_len,
+                           budget_pages, shortlist_pages, sink_pages, local_pages, bits):
+    """Two-stage selection (``sparse/keycode_shortlist.py``; spec of
+    ``kernels.shortlist.select_pages_shortlist``): the shortlist = ``select_pages`` at budget
+    ``shortlist_pages`` by the box mass of Quest's bound on each page's code box ``kmin`` /
+    ``kmax`` (``shortlist_mask``), then ``select_pages`` at ``budget_pages`` inside it by the
+    key codes' approximate token attention mass normalised over the shortlist
+    (``shortlist_scores``). Both scores are computed here for every page; needs
+    ``shortlist_pages >= sink_pages + local_pages + 1`` (every kept page in the shortlist).
+    Same arguments and returns as ``select_pages`` (K = max(1, min(budget - 1, W)) + 1)."""
+    assert shortlist_pages >= max(budget_pages, sink_pages + local_pages + 1)
+    scale = q.shape[-1] ** -0.5
+    box = head_bounds(q, kmin, kmax, page_table, num_pages)
+    in_short = shortlist_mask(box, num_pages, shortlist_pages, sink_pages, local_pages, scale)
+    code = code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits)
+    scores = shortlist_scores(code, in_short, num_pages, sink_pages, local_pages, scale)
+    return select_from_scores(scores, page_table, num_pages, budget_pages, sink_pages,
+                              local_pages)
 
 
 def sub_page_rows(page_ids, num_tokens, n_sub, sub_size):

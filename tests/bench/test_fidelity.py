@@ -21,7 +21,8 @@ def harness():
     h = TailHarness(llm.engine.runner, chunk_rows=32)  # two chunks: the tail crosses them
     text = load_texts(llm.get_tokenizer(), LENGTH, 1)[0]
     prep = h.prefill(text.token_ids, LENGTH - TAIL,
-                     algorithms=("quest", "arkvale", "infllm", "arkvale-b8", "keycode2"))
+                     algorithms=("quest", "arkvale", "infllm", "arkvale-b8", "keycode2",
+                                 "keycode2-sl2"))
     return h, prep
 
 
@@ -49,7 +50,9 @@ def test_tail_does_not_depend_on_earlier_configs(harness):
                                      Setting("arkvale", 256, 2, 2), Setting("oracle", 128),
                                      Setting("infllm", 128, 1, 2, 2),
                                      Setting("arkvale-sum", 128, 1, 1),
-                                     Setting("arkvale-b8", 128), Setting("keycode2", 128, 1, 1)],
+                                     Setting("arkvale-b8", 128), Setting("keycode2", 128, 1, 1),
+                                     # the shortlist (8 of the text's 19 pages) by box, then codes
+                                     Setting("keycode2-sl2", 128, 1, 1)],
                          ids=lambda s: s.key)
 def test_fast_path_equals_engine_kernels(harness, setting):
     h, prep = harness

@@ -180,3 +180,26 @@ def test_cuda_branches_with_fake_cuda(script, monkeypatch):
         assert r["graph_error"] is None and _positive(r["graph_us"])
         assert _positive(r["graph_latency_us"]) and _positive(r["ratio_graph"])
         assert r["checks"]["ok"] and 2 <= r["reps"]["select"] <= 3
+
+
+def test_smoke_key_code_shortlist(tmp_path):
+    """The key-code shortlist is selectable (--algorithms): at 16 pages keycode2-sl2 runs its
+    two stages (S = 8) in the interpreter, selects what its spec selects and is charged the
+    box of every page + box and codes of the 8 shortlisted pages."""
+    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(tmp_path),
+                           "--contexts", "512", "--batches", "1", "--no-graph",
+                           "--algorithms", "keycode2,keycode2-sl2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "sparse_decode.json") as f:
+        r = json.load(f)
+    assert r["complete"] is True
+    rows = {x["algorithm"]: x for x in r["rows"]}
+    sl, s = rows["keycode2-sl2"], r["settings"]
+    n, hkv, d = sl["pages_per_head"], s["num_kv_heads"], s["head_dim"]
+    assert sl["shortlist_pages"] == 8 < n == 16
+    assert sl["checks"]["ok"] and sl["checks"]["spec_set_mismatch_frac"] == 0.0
+    assert sl["checks"]["fused_set_mismatch_frac"] == 0.0
+    box, codes = 2 * d * 4, s["page_size"] * d * 2 // 8  # fp32 box rows, 2-bit codes
+    assert sl["select_bytes"] == hkv * (n * box + 8 * (box + codes)) + hkv * n * 4
+    assert rows["keycode2"]["select_bytes"] == hkv * n * (box + codes) + hkv * n * 4
