@@ -381,16 +381,17 @@ class EngineArgs:
             raise ValueError("gpu_memory_utilization must be in (0, 1].")
         free, total = gpu_memory(tp)
         budget = min(free, int(total * self.gpu_memory_utilization))
-        num_pages = fit_num_pages(draft(0), budget)
+        empty = draft(0)
+        num_pages = fit_num_pages(empty, budget)
         if num_pages < 1:
-            rest = plan_memory(draft(0), budget)
+            rest = plan_memory(empty, budget)
             raise ValueError(f"No GPU memory left for the KV cache after weights, activations, "
                              f"summaries, metadata and graph pool ({rest.describe()}); raise "
                              "gpu_memory_utilization, use a smaller model or a larger "
                              "tensor_parallel_size" + (", or lower kv_offloading_size (the "
                              "summaries of every host page stay in HBM)" if self.kv_offload
                              else "") + ".")
-        return num_pages * kv_page_bytes(draft(0)), budget
+        return num_pages * kv_page_bytes(empty), budget
 
 
 def _resolve_dtype(dtype: str, device: str, mc: ModelConfig) -> str:

@@ -76,10 +76,9 @@ def paged_decode_attention(q, k_cache, v_cache, page_table, num_pages, last_page
     num_pages [B, Hkv] int32, last_page_len [B] int32 -> out [B, Hq, D] (q's dtype).
     ``num_splits`` (Triton only) overrides the split-K choice, which by default depends on W only.
     """
-    if backend is None or backend == "auto":
-        if not q.is_cuda:  # the CPU engine path: same contract, fewer bytes moved
-            from .paged_decode_cpu import paged_decode_attention as _cpu
-            return _cpu(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale, out)
+    if backend in (None, "auto") and not q.is_cuda:  # the CPU engine path: fewer bytes moved
+        from .paged_decode_cpu import paged_decode_attention as _cpu
+        return _cpu(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale, out)
     if resolve_backend(backend, q) == "torch":
         return ref.paged_decode_attention(q, k_cache, v_cache, page_table, num_pages,
                                           last_page_len, scale, out)

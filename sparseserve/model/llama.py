@@ -19,8 +19,7 @@ import torch
 from torch import nn
 
 from sparseserve.config import ModelConfig
-from sparseserve.model import cpu_linear
-from sparseserve.model.cpu_linear import linear
+from sparseserve.model.cpu_linear import linear, pack
 from sparseserve.model.layers import (GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears,
                                       fused_ok, rotate)
 from sparseserve.model.parallel import (VOCAB_PARALLEL, TensorParallel, shard_spec,
@@ -163,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_cpu_linears(self) -> int:
         """Give every linear weight oneDNN's packed copy (model/cpu_linear.py; CPU, fp32):
         call once the weights are loaded. Returns how many were packed (0: not applicable)."""
-        return sum(cpu_linear.pack(w) for w in self.linear_weights())
+        return sum(pack(w) for w in self.linear_weights())
 
     @property
     def weight_shard(self):

@@ -74,7 +74,7 @@ def _publish(tmp: str, final: str) -> None:
     """Move a finished temporary file or folder into place; a concurrent writer may have
     published the same content first, then ours is dropped."""
     try:
-        os.replace(tmp, final) if os.path.isfile(tmp) else os.rename(tmp, final)
+        os.replace(tmp, final)  # atomic; a folder only replaces a missing (or empty) one
     except OSError:
         if not os.path.exists(final):
             raise
@@ -113,20 +113,25 @@ def store_tokenizer(gguf_path: str, tokenizer: Any) -> None:
     _publish(tmp, os.path.join(d, TOKENIZER))
 
 
-def caching_weights(gguf_path: str, weights: Iterator[tuple[str, torch.Tensor]],
-                    total_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+def caching_weights(gguf_path: str,
+                    weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `weights` unchanged and, once all of them went by, write them to the cache
-    (skipped when the cache is off or they would take more than MAX_WEIGHT_BYTES). The
+    (skipped when the cache is off, or given up as soon as they pass MAX_WEIGHT_BYTES). The
     tensors are kept until then: the caller copies each into its parameter, so this holds
     one extra copy of a small model while it loads, once per file."""
-    d = _writable_entry(gguf_path) if total_bytes <= MAX_WEIGHT_BYTES else None
-    if d is None:
-        yield from weights
-        return
-    kept: dict[str, torch.Tensor] = {}
+    d = _writable_entry(gguf_path)
+    kept: dict[str, torch.Tensor] | None = None if d is None else {}
+    size = 0
     for name, w in weights:
-        kept[name] = w
+        if kept is not None:
+            size += w.numel() * w.element_size()
+            if size > MAX_WEIGHT_BYTES:
+                kept = None  # too big to cache: let go of what was kept
+            else:
+                kept[name] = w
         yield name, w
+    if kept is None:
+        return
     from safetensors.torch import save_file
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".weights.")
     os.close(fd)

@@ -283,14 +283,6 @@ def iter_gguf(path: str, config: ModelConfig, shard=None) -> Iterator[tuple[str,
     return _stream_gguf(plan, arch, config, shard)
 
 
-def dequantized_bytes(path: str, config: ModelConfig) -> int:
-    """Bytes of the tensors `iter_gguf` yields for the file (float32 for quantized types)."""
-    from gguf import GGMLQuantizationType as T
-
-    return sum(int(np.prod(t.shape.tolist())) * (2 if t.tensor_type in (T.F16, T.BF16) else 4)
-               for t, _ in plan_gguf(open_gguf(path), path, config))
-
-
 def _stream_gguf(plan: list[tuple[Any, str]], arch: str, config: ModelConfig,
                  shard=None) -> Iterator[tuple[str, torch.Tensor]]:
     for tensor, name in plan:

@@ -18,7 +18,7 @@ from sparseserve.config import ModelConfig
 
 from .dummy import BUILTIN_DUMMY_CONFIGS, builtin_model_config, find_builtin
 from . import gguf_cache
-from .gguf_file import dequantized_bytes, iter_gguf, load_gguf_config, open_gguf, plan_gguf
+from .gguf_file import iter_gguf, load_gguf_config, open_gguf, plan_gguf
 from .hf import iter_safetensors, load_hf_config, plan_safetensors
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -199,8 +199,7 @@ def iter_weights(source: ModelSource, config: ModelConfig,
         weights = iter_gguf(source.path, config, shard)
         if shard is not None:  # a rank's slices are not the whole model: nothing to cache
             return weights
-        return gguf_cache.caching_weights(source.path, weights,
-                                          dequantized_bytes(source.path, config))
+        return gguf_cache.caching_weights(source.path, weights)
     if source.kind == "dummy":
         return iter(())
     raise ValueError(f"Unknown model source kind {source.kind!r}")
