@@ -125,6 +125,13 @@ class CacheConfig:
     eviction: str = "category-lru"  # | "lru"
 
     @property
+    def saves_ordered_on_device(self) -> bool:
+        """Prefill saves complete in CUDA-stream order (GPU-direct, per-page copies), so a
+        later load can wait for them on the device; FlashD2H's CPU scatter completes only on
+        the host."""
+        return self.d2h_method != "flash"
+
+    @property
     def chunk_pages(self) -> int:
         """Pages per allocation chunk of one (request, KV head) (KVCacheManager): host pages
         come in chunks of HOST_CHUNK_PAGES (a two-level page table, contiguous DRAM runs);

@@ -240,23 +240,31 @@ class EngineArgs:
                              f"<= {mc.sliding_window}.")
         sparse = self._sparse_config(mc)
         if self.kv_offload:
-            self._check_offload(sparse, mc, num_pages, max_len)
+            self._check_offload(sparse, mc, num_pages, max_len, self._inject_tokens(mc, max_len))
         cfg = self._assemble(source, mc_full, device, dtype, tp, num_pages, num_host_pages,
                              kv_bytes, max_len, sparse)
         plan = plan_memory(cfg, budget)
         check_plan(plan, explicit=self.kv_cache_memory_bytes is not None)
         return cfg.replace(memory_plan=plan), source
 
+    def _batched_tokens(self, max_len: int) -> int:
+        """max_num_batched_tokens, raised to max_len when prompts may not be chunked."""
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_len:
+            return max_len  # without chunking a whole prompt must fit in one step
+        return self.max_num_batched_tokens
+
+    def _inject_tokens(self, mc: ModelConfig, max_len: int) -> int | None:
+        """max_inject_tokens of layer-segmented prefill (None without it)."""
+        if not self.layer_segmented_prefill:
+            return None
+        return self.max_inject_tokens or self._batched_tokens(max_len) * mc.num_hidden_layers
+
     def _assemble(self, source, mc: ModelConfig, device: str, dtype: str, tp: int,
                   num_pages: int, num_host_pages: int, kv_bytes: int, max_len: int,
                   sparse: SparseConfig) -> EngineConfig:
         """The EngineConfig of these sizes (mc: the whole model; page counts per rank)."""
-        batched = self.max_num_batched_tokens
-        if not self.enable_chunked_prefill and batched < max_len:
-            batched = max_len  # without chunking a whole prompt must fit in one step
-        inject = None
-        if self.layer_segmented_prefill:
-            inject = self.max_inject_tokens or batched * mc.num_hidden_layers
+        batched = self._batched_tokens(max_len)
+        inject = self._inject_tokens(mc, max_len)
         return EngineConfig(
             model=mc,
             load=LoadConfig(model=source.path or source.name, load_format=source.kind,
@@ -314,7 +322,7 @@ class EngineArgs:
         return pages // HOST_CHUNK_PAGES * HOST_CHUNK_PAGES  # whole chunks (KVCacheManager)
 
     def _check_offload(self, sparse: SparseConfig, mc: ModelConfig, num_slots: int,
-                       max_len: int) -> None:
+                       max_len: int, inject: int | None) -> None:
         from sparseserve.kvcache.eviction import EVICTION_POLICIES
         from sparseserve.transfer import D2H_METHODS, H2D_METHODS
         if not sparse.enabled or sparse.algorithm == "oracle":
@@ -330,12 +338,19 @@ class EngineArgs:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}.")
         # how many requests decode at once is bounded per step by the scheduler (their
         # working sets must fit the slots); statically, one longest prompt must fit, since a
-        # prefill keeps every page of its prompt in slots (one layer's worth per pool)
-        need = -(-max_len // self.page_size) * mc.num_key_value_heads
+        # prefill keeps every page of its prompt in slots (one layer's worth per pool) —
+        # unless every prompt is prefilled whole and slot-free (layer-segmented, saves ordered
+        # on the device, max_model_len <= max_inject_tokens): then one decode selection must
+        slot_free = (inject is not None and inject >= max_len
+                     and CacheConfig(d2h_method=self.d2h_method).saves_ordered_on_device)
+        tokens = min(max_len, sparse.token_budget) if slot_free else max_len
+        need = -(-tokens // self.page_size) * mc.num_key_value_heads
         if num_slots < need:
-            raise ValueError(f"The device cache has {num_slots} slots per layer but a prompt of "
-                             f"max_model_len={max_len} tokens needs {need} while it is "
-                             "prefilled; raise kv_cache_memory_bytes or lower max_model_len.")
+            what = ("one decode step's selection" if slot_free else
+                    f"a prompt of max_model_len={max_len} tokens while it is prefilled")
+            raise ValueError(f"The device cache has {num_slots} slots per layer but {what} "
+                             f"needs {need}; raise kv_cache_memory_bytes or lower "
+                             "max_model_len (or token_budget).")
 
     def _sparse_config(self, mc: ModelConfig) -> SparseConfig:
         from sparseserve.sparse import get_algorithm_class

@@ -33,6 +33,10 @@ class ScheduledChunk:
     layer_end: int
     sample: bool  # this chunk completes the request's known tokens: sample the next one
     num_output_tokens: int  # output tokens so far (seeded sampling derives its stream from it)
+    # a whole prompt under layer-segmented prefill with saves ordered on the device: its pages
+    # take no device slot (attention reads the projection's K/V; they reach DRAM by the saver,
+    # fenced before any load of them; the first decode step loads what it selects)
+    slot_free: bool = False
     # chunk-table diff (see KVCacheManager): chunks [first_new_chunk, first_new_chunk + n)
     first_new_chunk: int = 0
     new_chunks: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.int32))  # [n, Hkv]

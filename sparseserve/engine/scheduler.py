@@ -43,6 +43,10 @@ class Scheduler:
             budget = (sparse or SparseConfig()).token_budget // cache.page_size
             self.slots = SlotBudget(cache.num_pages, num_kv_heads, cache.page_size, budget,
                                     cfg.max_num_seqs, cfg.working_set_control)
+        # whole prompts of layer-segmented prefill take no device slot when saves complete in
+        # stream order (ScheduledChunk.slot_free); they are charged their decode need instead
+        self.slot_free_prefill = (cache.kv_offload and cache.saves_ordered_on_device
+                                  and cfg.max_inject_tokens is not None)
         # with the two-tier cache the pool is the host tier; device slots are the worker's
         pool_pages = cache.num_host_pages if cache.kv_offload else cache.num_pages
         self.kv = KVCacheManager(pool_pages, cache.page_size, num_kv_heads,
@@ -125,8 +129,9 @@ class Scheduler:
             if chunk is None:
                 continue
             n_tokens, cost, inject_cost, l0, l1 = chunk
+            slot_free = self._is_slot_free(req, n_tokens, inject_cost)
             if slots is not None and not self._take_slots(self._rows[req.request_id], req,
-                                                          n_tokens):
+                                                          n_tokens, slot_free):
                 continue  # waits for device slots this step; its DRAM pages stay
             while not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n_tokens):
                 victim = self.running[-1]
@@ -136,7 +141,7 @@ class Scheduler:
                     break
             if req.status == RequestStatus.PREEMPTED:
                 break
-            chunks.append(self._make_chunk(req, n_tokens, l0, l1))
+            chunks.append(self._make_chunk(req, n_tokens, l0, l1, slot_free))
             budget -= cost
             inject -= inject_cost
 
@@ -150,7 +155,8 @@ class Scheduler:
             if not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n_tokens):
                 break
             row = self._free_rows[-1]
-            if slots is not None and not self._take_slots(row, req, n_tokens):
+            slot_free = self._is_slot_free(req, n_tokens, inject_cost)
+            if slots is not None and not self._take_slots(row, req, n_tokens, slot_free):
                 break
             self.waiting.popleft()
             self._free_rows.pop()
@@ -159,7 +165,7 @@ class Scheduler:
                                    req.min_tokens_stop_ids))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            chunks.append(self._make_chunk(req, n_tokens, l0, l1))
+            chunks.append(self._make_chunk(req, n_tokens, l0, l1, slot_free))
             budget -= cost
             inject -= inject_cost
 
@@ -174,9 +180,21 @@ class Scheduler:
                                freed_request_ids=freed_ids, freed_pages=freed_pages,
                                num_layers=self.num_layers, row_quotas=quotas)
 
-    def _take_slots(self, row: int, req: Request, n_tokens: int) -> bool:
-        """Reserve the device slots per layer `req` needs for its next `n_tokens` tokens."""
+    def _is_slot_free(self, req: Request, n_tokens: int, inject_cost: int) -> bool:
+        """A layer segment of the request's whole prompt (from position 0 to its last token)
+        whose saves complete in stream order: it maps no device slot (ScheduledChunk)."""
+        return (self.slot_free_prefill and inject_cost > 0 and req.num_computed_tokens == 0
+                and n_tokens == req.num_tokens)
+
+    def _take_slots(self, row: int, req: Request, n_tokens: int,
+                    slot_free: bool = False) -> bool:
+        """Reserve the device slots per layer `req` needs for its next `n_tokens` tokens. A
+        slot-free prefill reserves what its first decode step will select (SparseServe's
+        estimate for a new request: its token budget), unpinned: it holds no slot itself."""
         end = req.num_computed_tokens + n_tokens
+        if slot_free:
+            return self.slots.try_take(row, req.request_id,
+                                       self.slots.decode_need(req.request_id, end), False)
         if n_tokens == 1 and req.prefill_layer == 0 and req.num_computed_tokens > 0 \
                 and end == req.num_tokens:
             return self.slots.try_take(row, req.request_id,
@@ -218,7 +236,8 @@ class Scheduler:
         self._segment_tokens[req.request_id] = n
         return n, 0, n * layers, l0, l0 + layers
 
-    def _make_chunk(self, req: Request, n_tokens: int, l0: int, l1: int) -> ScheduledChunk:
+    def _make_chunk(self, req: Request, n_tokens: int, l0: int, l1: int,
+                    slot_free: bool = False) -> ScheduledChunk:
         start = req.num_computed_tokens
         first_chunk, new_chunks = self.kv.allocate(req.request_id, start + n_tokens)
         if req.first_scheduled_time is None:
@@ -232,6 +251,7 @@ class Scheduler:
             layer_end=l1,
             sample=(l1 == self.num_layers and start + n_tokens == req.num_tokens),
             num_output_tokens=len(req.output_token_ids),
+            slot_free=slot_free,
             first_new_chunk=first_chunk,
             new_chunks=new_chunks,
         )

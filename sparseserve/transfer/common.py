@@ -178,6 +178,15 @@ class EventTicketSaver:
         if self._issued:
             self.wait(self._issued)
 
+    def device_fence(self) -> None:
+        """Make the current CUDA stream wait, on the device (the host does not block), until
+        every save issued so far has completed. Saves complete in the order of one stream, so
+        the newest pending event covers them all; on CPU they already have."""
+        with self._lock:
+            ev = self._pending[-1][1] if self._pending else None
+        if ev is not None:
+            ev.wait()
+
     def stats(self) -> TransferStats:
         with self._lock:
             return TransferStats(**vars(self._stats))

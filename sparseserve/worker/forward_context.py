@@ -36,6 +36,7 @@ class PrefillSeq:
     q_end: int
     start: int  # tokens already in the KV cache before the chunk (its first position)
     row: int  # batch row of the request (index into the page table)
+    slot_free: bool = False  # two-tier cache: a whole prompt that maps no slot (ScheduledChunk)
 
 
 class KVCacheTensors:

@@ -173,6 +173,11 @@ class ModelRunner:
         if self.offload is not None and out.row_quotas is not None:
             self.offload.set_quotas(torch.from_numpy(out.row_quotas))
         self._apply_page_diffs(out.chunks)
+        if self.offload is not None and any(c.slot_free and c.layer_end == self.num_layers
+                                            for c in out.chunks):
+            # a slot-free prompt finishes here and decodes next step, loading its pages from
+            # DRAM: the next step's loads wait (on the device) for this step's saves
+            self.offload.fence_saves_next_step()
         # decode tokens first: the decode kernel reads one contiguous block of rows
         chunks = sorted(out.chunks, key=lambda c: not c.is_decode)
         if not chunks:
@@ -273,7 +278,7 @@ class ModelRunner:
         num_decode = 0
         while num_decode < len(chunks) and chunks[num_decode].is_decode:
             num_decode += 1
-        prefills = [PrefillSeq(off, off + c.num_tokens, c.start, c.row)
+        prefills = [PrefillSeq(off, off + c.num_tokens, c.start, c.row, c.slot_free)
                     for c, off in zip(chunks[num_decode:], offsets[num_decode:])]
         width = None
         if num_decode:  # pages of the longest decode request (known on the CPU: no sync)

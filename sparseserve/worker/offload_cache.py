@@ -128,6 +128,7 @@ class TwoTierCache:
         # seconds the host spent blocked on saves (the step fence, free_pages): a host wait
         # on the hot path, reported so it is seen
         self.save_wait_s = 0.0
+        self._device_fence = False  # begin_step: make the stream wait for the saves so far
 
     # ---- per step -------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -136,6 +137,9 @@ class TwoTierCache:
         s - 1's stay pending, so nothing saved then can be evicted and reloaded)."""
         self.step += 1
         self._host_step += 1
+        if self._device_fence:
+            self.saver.device_fence()
+            self._device_fence = False
         s = self._host_step
         ticket = self._step_tickets.pop(s - 2, None)
         if ticket:
@@ -145,6 +149,15 @@ class TwoTierCache:
         last = self.last_access
         aged = (self.step - self.window).clamp(min=0)
         last.copy_(torch.where(last == PENDING_SAVE + s % 2, aged, last))
+
+    def fence_saves_next_step(self) -> None:
+        """Order every save issued up to the end of this step before the next step's device
+        work (a stream wait, the host does not block): slot-free prefills' pages are loaded
+        from DRAM by their first decode step. Only savers that complete in stream order."""
+        if not hasattr(self.saver, "device_fence"):
+            raise RuntimeError(f"{type(self.saver).__name__} completes on the host: slot-free "
+                               "prefill needs saves ordered on the device (d2h gpu-direct)")
+        self._device_fence = True
 
     def wait_saves(self) -> None:
         """Every save issued so far has landed in DRAM."""

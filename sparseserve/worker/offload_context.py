@@ -146,7 +146,11 @@ class OffloadForwardContext(ForwardContext):
         chunks: a hit; a page evicted since is loaded back; the chunk's new pages get slots
         without a load), the chunk's K/V is stored there (and saved to DRAM by the saver),
         and attention reads the prefix device-to-device. The slots stay resident, so decode
-        starts warm."""
+        starts warm.
+
+        A slot-free chunk (a whole prompt, ScheduledChunk.slot_free) maps nothing: attention
+        and the summaries read the projection's K/V, the saver writes it to DRAM (the cache
+        fences the saves before the first decode step loads any of it)."""
         cache = self.cache
         ps = self.kv.page_size
         n = p.q_end - p.q_start
@@ -155,6 +159,8 @@ class OffloadForwardContext(ForwardContext):
         pages = self.pages.row_range(p.row, 0, nb)  # [Hkv, nb] host pages
         hkv = pages.shape[0]
         dev = q.device
+        if p.slot_free:
+            return self._prefill_unmapped(p, q, k, v, pages, summaries)
         num = torch.full((1, hkv), nb, dtype=torch.int32, device=dev)
         fresh_from = torch.full_like(num, -(-p.start // ps))  # pages from here: no data yet
         row = torch.full((1,), p.row, dtype=torch.long, device=dev)
@@ -172,6 +178,27 @@ class OffloadForwardContext(ForwardContext):
         else:
             ks = k[p.q_start:p.q_end].transpose(0, 1)  # [Hkv, n, D]
             vs = v[p.q_start:p.q_end].transpose(0, 1)
+        self._index_prefill(p, q, ks, vs, pages, summaries)
+        return self._sdpa(q[p.q_start:p.q_end].transpose(0, 1), ks, vs, p.start)
+
+    def _prefill_unmapped(self, p: PrefillSeq, q: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, pages: torch.Tensor,
+                          summaries: LayerSummaries) -> torch.Tensor:
+        """A whole prompt without device slots: summaries and attention from its K/V rows."""
+        ks = k[p.q_start:p.q_end].transpose(0, 1)  # [Hkv, n, D]
+        vs = v[p.q_start:p.q_end].transpose(0, 1)
+        self._index_prefill(p, q, ks, vs, pages, summaries)
+        return self._sdpa(q[p.q_start:p.q_end].transpose(0, 1), ks, vs, 0)
+
+    def _index_prefill(self, p: PrefillSeq, q: torch.Tensor, ks: torch.Tensor,
+                       vs: torch.Tensor, pages: torch.Tensor,
+                       summaries: LayerSummaries) -> None:
+        """Summaries of the pages this chunk completes, from the contiguous K (and V) of the
+        request up to the chunk's end: ks/vs [Hkv, total, D]; pages [Hkv, nb] host pages."""
+        ps = self.kv.page_size
+        total = p.start + (p.q_end - p.q_start)
+        hkv = pages.shape[0]
+        dev = q.device
         b0, b1 = p.start // ps, total // ps
         if b1 > b0:  # pages completed by this chunk, summarised from the contiguous K
             nf = b1 - b0
@@ -187,7 +214,6 @@ class OffloadForwardContext(ForwardContext):
             read = torch.arange(hkv * nf, device=dev, dtype=torch.int32)
             self._index_via_scratch(pages_k, read, host_ids.long(), torch.full_like(read, ps),
                                     summaries, queries, pages_v)
-        return self._sdpa(q[p.q_start:p.q_end].transpose(0, 1), ks, vs, p.start)
 
 
 def _zeros_like_rows(tensors: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:

@@ -42,10 +42,13 @@ def test_dummy_llama3_shape_runs(tmp_path):
     llm.engine.check_invariants()
 
 
-@pytest.mark.parametrize("h2d, d2h", [("flash", "flash"), ("memcpy", "memcpy"),
-                                      ("flash", "gpu-direct")])
-def test_gpu_forced_offload_equals_resident(tiny_model_dirs, h2d, d2h):
-    """Pinned host tier + HBM slots with FlashH2D / FlashD2H (and the baselines) on the GPU."""
+@pytest.mark.parametrize("h2d, d2h, inject", [("flash", "flash", None), ("memcpy", "memcpy", None),
+                                              ("flash", "gpu-direct", None),
+                                              ("flash", "gpu-direct", 300)])
+def test_gpu_forced_offload_equals_resident(tiny_model_dirs, h2d, d2h, inject):
+    """Pinned host tier + HBM slots with FlashH2D / FlashD2H (and the baselines) on the GPU;
+    inject: layer-segmented prefill, whose whole prompts with GPU-direct saves take no slot
+    (side-stream saves fenced on the device before the first decode step loads them)."""
     path, _ = tiny_model_dirs["llama-gqa"]
     sparse = dict(device="cuda", dtype="float32", page_size=16, sparse_algorithm="arkvale",
                   token_budget=64, sink_pages=1, local_pages=1, max_num_seqs=4,
@@ -57,7 +60,8 @@ def test_gpu_forced_offload_equals_resident(tiny_model_dirs, h2d, d2h):
     page_bytes = 2 * 3 * 16 * 16 * 4
     llm = LLM(path, kv_offload=True, kv_cache_memory_bytes=32 * page_bytes,
               kv_offloading_size=200 * page_bytes / 2**30, h2d_method=h2d, d2h_method=d2h,
-              max_num_batched_tokens=48, **sparse)
+              max_num_batched_tokens=48, max_inject_tokens=inject, **sparse)
+    assert llm.engine.scheduler.slot_free_prefill is (inject is not None)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in resident]
     assert llm.engine.get_stats()["cache_misses_total"] > 0

@@ -217,3 +217,60 @@ def test_fused_retrieve_drives_the_engine_under_eviction(model_dir, control):
     assert [done[str(i)] for i in range(len(ps))] == ref
     assert eng.get_stats()["pages_loaded_total"] > 0
     assert int((off.page_of[:, :-1] >= 0).sum()) == 0  # every slot freed with its request
+
+
+@pytest.mark.parametrize("slots", [400, 24])
+def test_slot_free_whole_prompt_prefill(model_dir, slots):
+    """Layer-segmented prefill with GPU-direct saves: a whole prompt maps no device slot (its
+    attention and summaries read the projection's K/V; the pages reach DRAM by the saver, fenced
+    before the first decode step loads them). The tokens equal the all-resident sparse engine,
+    prefill touches the cache not once, decode loads what it selects, and nothing leaks — also
+    with 24 slots per layer, fewer than one layer of the longest prompt (130 tokens: 9 pages x 2
+    KV heads = 18) next to the others' working sets."""
+    ps = prompts(LENGTHS)
+    ref = resident(model_dir, ps, greedy())
+    llm = offload_llm(model_dir, slots, d2h_method="gpu-direct", max_num_batched_tokens=64,
+                      max_inject_tokens=300)
+    assert llm.engine.scheduler.slot_free_prefill
+    eng = llm.engine
+    for i, p in enumerate(ps):
+        eng.add_request(str(i), p, greedy())
+    done, slot_free = {}, 0
+    real_step = eng.runner.execute
+
+    def spy(out):
+        nonlocal slot_free
+        slot_free += sum(c.slot_free for c in out.chunks)
+        # every prompt is whole (a 1-token prompt runs all layers at once, like a decode row)
+        assert all(c.slot_free for c in out.chunks if c.num_tokens > 1)
+        return real_step(out)
+    eng.runner.execute = spy
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        eng.check_invariants()
+    assert [done[str(i)] for i in range(len(ps))] == ref
+    assert slot_free >= len(ps) - 1
+    stats = eng.get_stats()
+    assert stats["prefill_cache_hits_total"] == 0 and stats["pages_loaded_total"] > 0
+    assert eng.num_free_pages() == eng.num_total_pages()
+    assert int((eng.runner.offload.page_of[:, :-1] >= 0).sum()) == 0
+
+
+def test_slot_free_prefill_is_charged_its_decode_need(model_dir):
+    """The scheduler charges a slot-free prompt what its first decode step selects (the token
+    budget's pages, unpinned), not a layer of its pages; FlashD2H (saves complete on the host)
+    keeps the mapped path and its exact charge."""
+    for d2h, free in (("gpu-direct", True), ("flash", False)):
+        llm = offload_llm(model_dir, 400, d2h_method=d2h, max_num_batched_tokens=64,
+                          max_inject_tokens=300)
+        sched = llm.engine.scheduler
+        assert sched.slot_free_prefill is free
+        llm.engine.add_request("a", prompts([130])[0], greedy(2))
+        out = sched.schedule()
+        (chunk,) = out.chunks
+        assert chunk.slot_free is free and chunk.start == 0 and chunk.num_tokens == 130
+        # 2 KV heads; 130 tokens = 9 pages; the budget (64 tokens) = 4 pages
+        assert sched.estimated_working_set == (4 * 2 if free else 9 * 2)
+        assert sched.slots.prefill_now == ({} if free else {"a": 18})
