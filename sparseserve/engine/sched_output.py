@@ -37,6 +37,10 @@ class ScheduledChunk:
     # take no device slot (attention reads the projection's K/V; they reach DRAM by the saver,
     # fenced before any load of them; the first decode step loads what it selects)
     slot_free: bool = False
+    # pages per KV head of a slot-free prompt kept resident anyway, its newest ones: slots the
+    # step's reservations left spare (the scheduler's choice), so a lightly loaded cache still
+    # starts the request's decode warm; 0 under pressure
+    resident_pages: int = 0
     # chunk-table diff (see KVCacheManager): chunks [first_new_chunk, first_new_chunk + n)
     first_new_chunk: int = 0
     new_chunks: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.int32))  # [n, Hkv]

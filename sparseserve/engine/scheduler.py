@@ -29,7 +29,7 @@ from sparseserve.config import (INJECT_CREDIT_FRACTION, CacheConfig, SchedulerCo
                                 SparseConfig)
 from sparseserve.engine.sched_output import NewRow, ScheduledChunk, SchedulerOutput
 from sparseserve.engine.slot_budget import SlotBudget
-from sparseserve.kvcache.manager import KVCacheManager
+from sparseserve.kvcache.manager import KVCacheManager, cdiv
 from sparseserve.request import Request, RequestStatus
 
 
@@ -174,6 +174,7 @@ class Scheduler:
                                if self._inject_short else 0)
         quotas = None
         if slots is not None:
+            self._keep_prompt_pages_resident(chunks)
             quotas = slots.quotas([c.row for c in chunks if c.is_decode])
         freed, freed_ids, freed_pages = self.take_freed()
         return SchedulerOutput(chunks=chunks, new_rows=new_rows, freed_rows=freed,
@@ -185,6 +186,21 @@ class Scheduler:
         whose saves complete in stream order: it maps no device slot (ScheduledChunk)."""
         return (self.slot_free_prefill and inject_cost > 0 and req.num_computed_tokens == 0
                 and n_tokens == req.num_tokens)
+
+    def _keep_prompt_pages_resident(self, chunks: list[ScheduledChunk]) -> None:
+        """Slot-free prompts of this step keep their newest pages resident in slots the step's
+        reservations left spare — up to half of them, the rest buffers the decode rows — pinned
+        as a mapped prefill's are. A lightly loaded cache so starts their decode warm (as the
+        mapped prefill did, without charging anyone for it); under pressure nothing is kept and
+        the first decode step loads what it selects (ScheduledChunk.resident_pages)."""
+        slots = self.slots
+        hkv = slots.hkv
+        for c in chunks:
+            if not c.slot_free:
+                continue
+            per_head = min(cdiv(c.start + c.num_tokens, slots.page_size), slots.left // 2 // hkv)
+            if per_head > 0 and slots.try_take(c.row, c.request_id, per_head * hkv, True):
+                c.resident_pages = per_head
 
     def _take_slots(self, row: int, req: Request, n_tokens: int,
                     slot_free: bool = False) -> bool:

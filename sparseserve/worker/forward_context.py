@@ -37,6 +37,7 @@ class PrefillSeq:
     start: int  # tokens already in the KV cache before the chunk (its first position)
     row: int  # batch row of the request (index into the page table)
     slot_free: bool = False  # two-tier cache: a whole prompt that maps no slot (ScheduledChunk)
+    resident_pages: int = 0  # ... except its newest pages per KV head (ScheduledChunk)
 
 
 class KVCacheTensors:

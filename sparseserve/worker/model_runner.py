@@ -278,7 +278,8 @@ class ModelRunner:
         num_decode = 0
         while num_decode < len(chunks) and chunks[num_decode].is_decode:
             num_decode += 1
-        prefills = [PrefillSeq(off, off + c.num_tokens, c.start, c.row, c.slot_free)
+        prefills = [PrefillSeq(off, off + c.num_tokens, c.start, c.row, c.slot_free,
+                               c.resident_pages)
                     for c, off in zip(chunks[num_decode:], offsets[num_decode:])]
         width = None
         if num_decode:  # pages of the longest decode request (known on the CPU: no sync)

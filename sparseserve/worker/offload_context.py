@@ -148,31 +148,26 @@ class OffloadForwardContext(ForwardContext):
         and attention reads the prefix device-to-device. The slots stay resident, so decode
         starts warm.
 
-        A slot-free chunk (a whole prompt, ScheduledChunk.slot_free) maps nothing: attention
-        and the summaries read the projection's K/V, the saver writes it to DRAM (the cache
-        fences the saves before the first decode step loads any of it)."""
-        cache = self.cache
+        A slot-free chunk (a whole prompt, ScheduledChunk.slot_free) maps only its newest
+        `resident_pages` pages per KV head (spare slots the scheduler gave it; often none):
+        attention and the summaries read the projection's K/V, the saver writes it to DRAM
+        (the cache fences the saves before the first decode step loads any of it)."""
         ps = self.kv.page_size
-        n = p.q_end - p.q_start
-        total = p.start + n
+        total = p.start + (p.q_end - p.q_start)
         nb = -(-total // ps)
         pages = self.pages.row_range(p.row, 0, nb)  # [Hkv, nb] host pages
-        hkv = pages.shape[0]
-        dev = q.device
         if p.slot_free:
-            return self._prefill_unmapped(p, q, k, v, pages, summaries)
-        num = torch.full((1, hkv), nb, dtype=torch.int32, device=dev)
-        fresh_from = torch.full_like(num, -(-p.start // ps))  # pages from here: no data yet
-        row = torch.full((1,), p.row, dtype=torch.long, device=dev)
-        slots = cache.retrieve(layer, pages.unsqueeze(0), num, row, fresh_from=fresh_from,
-                               prefill=True)[0].long()  # [Hkv, nb]
-        cache.mark_saved(layer, slots)
-        pos = torch.arange(p.start, total, device=dev)
-        tok_slots = slots[:, torch.div(pos, ps, rounding_mode="floor")]  # [Hkv, n]
-        dev_k, dev_v = cache.dev_k[layer], cache.dev_v[layer]
-        dev_k[tok_slots, (pos % ps)[None, :]] = k[p.q_start:p.q_end].transpose(0, 1)
-        dev_v[tok_slots, (pos % ps)[None, :]] = v[p.q_start:p.q_end].transpose(0, 1)
+            first = nb - min(p.resident_pages, nb)
+            if first < nb:
+                self._map_and_store(layer, p, k, v, pages, first)
+            ks = k[p.q_start:p.q_end].transpose(0, 1)  # [Hkv, n, D]
+            vs = v[p.q_start:p.q_end].transpose(0, 1)
+            self._index_prefill(p, q, ks, vs, pages, summaries)
+            return self._sdpa(q[p.q_start:p.q_end].transpose(0, 1), ks, vs, 0)
+        slots = self._map_and_store(layer, p, k, v, pages, 0)
         if p.start:
+            hkv = pages.shape[0]
+            dev_k, dev_v = self.cache.dev_k[layer], self.cache.dev_v[layer]
             ks = dev_k[slots].reshape(hkv, nb * ps, -1)[:, :total]
             vs = dev_v[slots].reshape(hkv, nb * ps, -1)[:, :total]
         else:
@@ -181,14 +176,32 @@ class OffloadForwardContext(ForwardContext):
         self._index_prefill(p, q, ks, vs, pages, summaries)
         return self._sdpa(q[p.q_start:p.q_end].transpose(0, 1), ks, vs, p.start)
 
-    def _prefill_unmapped(self, p: PrefillSeq, q: torch.Tensor, k: torch.Tensor,
-                          v: torch.Tensor, pages: torch.Tensor,
-                          summaries: LayerSummaries) -> torch.Tensor:
-        """A whole prompt without device slots: summaries and attention from its K/V rows."""
-        ks = k[p.q_start:p.q_end].transpose(0, 1)  # [Hkv, n, D]
-        vs = v[p.q_start:p.q_end].transpose(0, 1)
-        self._index_prefill(p, q, ks, vs, pages, summaries)
-        return self._sdpa(q[p.q_start:p.q_end].transpose(0, 1), ks, vs, 0)
+    def _map_and_store(self, layer: int, p: PrefillSeq, k: torch.Tensor, v: torch.Tensor,
+                       pages: torch.Tensor, first: int) -> torch.Tensor:
+        """Map the request's pages [first, nb) of every KV head to device slots (pages the
+        chunk starts get a slot without a load; an earlier page evicted since is loaded back),
+        store the chunk's K/V of those pages there and mark them pending their save.
+        pages [Hkv, nb] host pages; returns the slots [Hkv, nb - first] (int64)."""
+        cache = self.cache
+        ps = self.kv.page_size
+        total = p.start + (p.q_end - p.q_start)
+        hkv, nb = pages.shape
+        dev = pages.device
+        num = torch.full((1, hkv), nb - first, dtype=torch.int32, device=dev)
+        # entries from here are pages with no data yet (the chunk starts them)
+        fresh_from = torch.full_like(num, max(0, -(-p.start // ps) - first))
+        row = torch.full((1,), p.row, dtype=torch.long, device=dev)
+        sel = pages[:, first:].unsqueeze(0).contiguous()  # [1, Hkv, nb - first]
+        slots = cache.retrieve(layer, sel, num, row, fresh_from=fresh_from,
+                               prefill=True)[0].long()  # [Hkv, nb - first]
+        cache.mark_saved(layer, slots)
+        t0 = max(p.start, first * ps)  # the chunk's first token stored here
+        pos = torch.arange(t0, total, device=dev)
+        tok_slots = slots[:, torch.div(pos, ps, rounding_mode="floor") - first]  # [Hkv, T]
+        rows = slice(p.q_start + t0 - p.start, p.q_end)
+        cache.dev_k[layer][tok_slots, (pos % ps)[None, :]] = k[rows].transpose(0, 1)
+        cache.dev_v[layer][tok_slots, (pos % ps)[None, :]] = v[rows].transpose(0, 1)
+        return slots
 
     def _index_prefill(self, p: PrefillSeq, q: torch.Tensor, ks: torch.Tensor,
                        vs: torch.Tensor, pages: torch.Tensor,

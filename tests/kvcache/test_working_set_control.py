@@ -224,9 +224,10 @@ def test_slot_free_whole_prompt_prefill(model_dir, slots):
     """Layer-segmented prefill with GPU-direct saves: a whole prompt maps no device slot (its
     attention and summaries read the projection's K/V; the pages reach DRAM by the saver, fenced
     before the first decode step loads them). The tokens equal the all-resident sparse engine,
-    prefill touches the cache not once, decode loads what it selects, and nothing leaks — also
-    with 24 slots per layer, fewer than one layer of the longest prompt (130 tokens: 9 pages x 2
-    KV heads = 18) next to the others' working sets."""
+    prefill loads nothing, and nothing leaks. With 400 slots per layer the spare slots keep every
+    prompt's pages resident (decode starts warm: nothing is loaded); with 24, fewer than one
+    layer of the longest prompt (130 tokens: 9 pages x 2 KV heads = 18) next to the others'
+    working sets, decode loads what it selects."""
     ps = prompts(LENGTHS)
     ref = resident(model_dir, ps, greedy())
     llm = offload_llm(model_dir, slots, d2h_method="gpu-direct", max_num_batched_tokens=64,
@@ -235,12 +236,13 @@ def test_slot_free_whole_prompt_prefill(model_dir, slots):
     eng = llm.engine
     for i, p in enumerate(ps):
         eng.add_request(str(i), p, greedy())
-    done, slot_free = {}, 0
+    done, slot_free, kept = {}, 0, 0
     real_step = eng.runner.execute
 
     def spy(out):
-        nonlocal slot_free
+        nonlocal slot_free, kept
         slot_free += sum(c.slot_free for c in out.chunks)
+        kept += sum(c.resident_pages for c in out.chunks)
         # every prompt is whole (a 1-token prompt runs all layers at once, like a decode row)
         assert all(c.slot_free for c in out.chunks if c.num_tokens > 1)
         return real_step(out)
@@ -253,7 +255,11 @@ def test_slot_free_whole_prompt_prefill(model_dir, slots):
     assert [done[str(i)] for i in range(len(ps))] == ref
     assert slot_free >= len(ps) - 1
     stats = eng.get_stats()
-    assert stats["prefill_cache_hits_total"] == 0 and stats["pages_loaded_total"] > 0
+    assert stats["prefill_cache_hits_total"] == 0 and stats["prefill_cache_misses_total"] == 0
+    if slots == 400:
+        assert kept > 0 and stats["pages_loaded_total"] == 0
+    else:
+        assert stats["pages_loaded_total"] > 0
     assert eng.num_free_pages() == eng.num_total_pages()
     assert int((eng.runner.offload.page_of[:, :-1] >= 0).sum()) == 0
 
@@ -271,6 +277,23 @@ def test_slot_free_prefill_is_charged_its_decode_need(model_dir):
         out = sched.schedule()
         (chunk,) = out.chunks
         assert chunk.slot_free is free and chunk.start == 0 and chunk.num_tokens == 130
-        # 2 KV heads; 130 tokens = 9 pages; the budget (64 tokens) = 4 pages
-        assert sched.estimated_working_set == (4 * 2 if free else 9 * 2)
-        assert sched.slots.prefill_now == ({} if free else {"a": 18})
+        # 2 KV heads; 130 tokens = 9 pages; the budget (64 tokens) = 4 pages. The slot-free
+        # prompt keeps its pages resident in the spare slots (all 9: 400 slots leave plenty)
+        assert chunk.resident_pages == (9 if free else 0)
+        assert sched.estimated_working_set == (4 * 2 + 9 * 2 if free else 9 * 2)
+        assert sched.slots.prefill_now == {"a": 18}
+
+
+@pytest.mark.parametrize("slots, kept", [(400, 9), (40, 7), (10, 0)])
+def test_slot_free_prompt_keeps_pages_in_spare_slots_only(model_dir, slots, kept):
+    """A slot-free prompt keeps its newest pages resident only in what the step's reservations
+    leave spare, at most half of it (the rest buffers the decode rows): with 40 slots per layer
+    (reserve 2, decode need 4 pages x 2 heads) 30 are spare -> 7 pages per head; with 10 none."""
+    llm = offload_llm(model_dir, slots, d2h_method="gpu-direct", max_num_batched_tokens=64,
+                      max_inject_tokens=300)
+    sched = llm.engine.scheduler
+    llm.engine.add_request("a", prompts([130])[0], greedy(2))
+    (chunk,) = sched.schedule().chunks
+    assert chunk.slot_free and chunk.resident_pages == kept
+    assert sched.estimated_working_set == 4 * 2 + kept * 2
+    assert sched.slots.left >= 0
