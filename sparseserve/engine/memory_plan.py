@@ -174,7 +174,7 @@ def metadata_bytes(cfg: EngineConfig) -> dict[str, int]:
     (chunk ids [rows + 1, Hkv, n] int32 + offsets [n * C] int32); offload_cache.TwoTierCache
     (page_of / last_access / owner [L, slots + 1] int64, fill counts [L, 2], quotas
     [rows + 1], six int64 counters + the loader's two; residency index [L, table_size]
-    int32); the RoPE tables (layers.RotaryEmbedding: [len, D] + [len, 2, D] fp32, inv_freq)
+    int32; selection stamps of every host page [L, n * C] int32 and chunk owners [n]); the RoPE tables (layers.RotaryEmbedding: [len, D] + [len, 2, D] fp32, inv_freq)
     and penalties.PenaltyState at its largest ([max_num_seqs, vocab] bool + int32)."""
     from sparseserve.kernels.residency_hash import table_size
 
@@ -192,6 +192,10 @@ def metadata_bytes(cfg: EngineConfig) -> dict[str, int]:
         s1 = c.num_pages + 1
         out["offload_tables"] = 3 * layers * s1 * 8 + layers * 2 * 8 + (rows + 1) * 8 + 8 * 8
         out["residency_index"] = layers * table_size(s1) * 4
+        # selection stamps [L, n * C] int32 + chunk owners [n] int64 + the int32 step, with
+        # n = cdiv(host pages + 1, C) (TwoTierCache: working sets counted by selection)
+        n_host_chunks = _cdiv(c.num_host_pages + 1, chunk)
+        out["selection_stamps"] = layers * n_host_chunks * chunk * 4 + n_host_chunks * 8 + 4
     return out
 
 

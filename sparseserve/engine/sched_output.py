@@ -33,6 +33,9 @@ class ScheduledChunk:
     layer_end: int
     sample: bool  # this chunk completes the request's known tokens: sample the next one
     num_output_tokens: int  # output tokens so far (seeded sampling derives its stream from it)
+    # chunk-table diff (see KVCacheManager): chunks [first_new_chunk, first_new_chunk + n)
+    first_new_chunk: int = 0
+    new_chunks: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.int32))  # [n, Hkv]
     # a whole prompt under layer-segmented prefill with saves ordered on the device: its pages
     # take no device slot (attention reads the projection's K/V; they reach DRAM by the saver,
     # fenced before any load of them; the first decode step loads what it selects)
@@ -41,9 +44,6 @@ class ScheduledChunk:
     # step's reservations left spare (the scheduler's choice), so a lightly loaded cache still
     # starts the request's decode warm; 0 under pressure
     resident_pages: int = 0
-    # chunk-table diff (see KVCacheManager): chunks [first_new_chunk, first_new_chunk + n)
-    first_new_chunk: int = 0
-    new_chunks: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.int32))  # [n, Hkv]
 
     @property
     def num_tokens(self) -> int:

@@ -167,35 +167,6 @@ def _assign_kernel(pages_ptr, miss_ptr, rank_ptr, order_ptr, rows_ptr, fresh_ptr
     insert_slots(table_ptr, p, victim.to(tl.int32), miss, mask)
 
 
-@triton.jit
-def _recent_kernel(last_ptr, owner_ptr, step_ptr, counts_ptr, S, stride_l, window, R,
-                   R_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """counts[layer, r] += slots of row r used within the last `window` steps (block
-    histogram, one atomic per row and program)."""
-    layer = tl.program_id(1)
-    s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = s < S
-    last = tl.load(last_ptr + layer * stride_l + s, mask=ok, other=-1)
-    step = tl.load(step_ptr)
-    recent = ok & (last > step - window) & (last >= 0) & (last <= step)
-    own = tl.load(owner_ptr + layer * stride_l + s, mask=ok, other=0).to(tl.int32)
-    h = tl.histogram(own, R_PAD, mask=recent)
-    r = tl.arange(0, R_PAD)
-    tl.atomic_add(counts_ptr + layer * R + r, h.to(tl.int64), mask=(r < R) & (h > 0))
-
-
-def recent_slots_by_row(last_access, owner_row, step, window: int, num_rows: int):
-    """Working sets: last_access/owner_row [L, S] int64 (contiguous rows of a [L, S + 1]
-    tensor are fine), step [] int64 -> [L, num_rows] int64, the slots each row used in the
-    last `window` steps, per layer."""
-    L, S = last_access.shape
-    counts = torch.zeros((L, num_rows), dtype=torch.int64, device=last_access.device)
-    _recent_kernel[(triton.cdiv(S, BLOCK), L)](
-        last_access, owner_row, step, counts, S, last_access.stride(0), window, num_rows,
-        R_PAD=triton.next_power_of_2(num_rows), BLOCK=BLOCK)
-    return counts
-
-
 def category_lru_order(last_access, owner_row, row_quota, step, num_buckets: int,
                        need: torch.Tensor | None = None):
     """kvcache.eviction.victim_order(..., "category-lru") in three passes.

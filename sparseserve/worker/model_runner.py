@@ -411,6 +411,9 @@ class ModelRunner:
             vals.append(c.new_chunks.reshape(-1))
         r, h, ci, val = (np.concatenate(x) for x in (r_idx, h_idx, c_idx, vals))
         self.pages.write(r, h, ci, val, lambda x, dt: _to_device(x, dt, self.device))
+        if self.offload is not None:  # who owns which host chunk: working-set counts
+            self.offload.assign_chunks(_to_device(r, torch.long, self.device),
+                                       _to_device(val, torch.long, self.device))
 
 
 def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

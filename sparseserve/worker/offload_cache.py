@@ -106,7 +106,20 @@ class TwoTierCache:
         # prefill's own retrieves (its pages into slots): counted apart from decode's hit rate
         self.prefill_hit_miss = torch.zeros(2, dtype=torch.long, device=device)
         self.num_rows = num_rows
-        # working set per row (slots per layer, max over layers), read one step late
+        # working sets as SparseServe defines them: the pages a row selected within the last
+        # `window` decode steps, resident now or not. (Counting the row's recently used
+        # resident slots undercounts exactly when the cache is short — an evicted page drops
+        # out of the count, the row's quota shrinks with it, more of its pages are evicted.)
+        # last_selected [L, n_chunks * C]: the step each host page was last selected (-1:
+        # not within any request's life; the scratch page never), int32; chunk_row [n_chunks]:
+        # the batch row owning each host chunk (the scratch row when free)
+        C = self.chunk_pages = cache.chunk_pages
+        n_chunks = -(-hp // C)
+        self.last_selected = torch.full((num_layers, n_chunks * C), -1, dtype=torch.int32,
+                                        device=device)
+        self.chunk_row = torch.full((n_chunks,), num_rows, dtype=torch.long, device=device)
+        self.step32 = torch.zeros((), dtype=torch.int32, device=device)
+        # working set per row (pages per layer, max over layers), read one step late
         self._ws_host = torch.zeros(num_rows + 1, dtype=torch.long,
                                     pin_memory=device.type == "cuda")
         self.loader = PageLoader(cache.h2d_method)
@@ -136,6 +149,7 @@ class TwoTierCache:
         they marked pending become ordinary slots aged out of the working-set window (step
         s - 1's stay pending, so nothing saved then can be evicted and reloaded)."""
         self.step += 1
+        self.step32 += 1
         self._host_step += 1
         if self._device_fence:
             self.saver.device_fence()
@@ -173,6 +187,9 @@ class TwoTierCache:
         # a scatter still in flight must not land in a page after its next owner's data
         self.wait_saves()
         idx = torch.as_tensor(pages, dtype=torch.long).to(self.page_of.device)
+        # the pages leave their request: no selection stamp, no owner (ids are reused)
+        self.last_selected[:, idx] = -1
+        self.chunk_row[torch.div(idx, self.chunk_pages, rounding_mode="floor")] = self.scratch_row
         for layer in range(self.num_layers):
             slots = self.slot_of(layer, idx)
             slots = torch.where(slots >= 0, slots, self.scratch_slot)
@@ -201,19 +218,23 @@ class TwoTierCache:
         self.row_quota.copy_(src, non_blocking=True)
 
     def count_working_sets(self) -> None:
-        """Start counting each row's working set: slots it owns that were used in the last
-        `window` steps, per layer, max over layers -> a pinned host buffer, copied without a
-        sync (valid once the step's token copy has synchronised; see `working_sets`)."""
-        last, own = self.last_access[:, :-1], self.owner[:, :-1]
-        if last.is_cuda:  # one pass over every layer's slots
-            from sparseserve.kernels.retrieve import recent_slots_by_row
-            counts = recent_slots_by_row(last, own, self.step, self.window, self.num_rows + 1)
-        else:
-            recent = (last > self.step - self.window) & (last >= 0) & (last <= self.step)
-            counts = torch.zeros((self.num_layers, self.num_rows + 1), dtype=torch.long,
-                                 device=last.device)
-            counts.scatter_add_(1, own, recent.long())
+        """Start counting each row's working set: the pages it selected in the last `window`
+        decode steps (resident or not), per layer, max over layers -> a pinned host buffer,
+        copied without a sync (valid once the step's token copy has synchronised; see
+        `working_sets`). One pass over every layer's page stamps, a sum per chunk and a
+        scatter by the chunk's row."""
+        L, n = self.last_selected.shape
+        sel = self.last_selected
+        recent = (sel > self.step32 - self.window) & (sel >= 0)  # [L, n]
+        per_chunk = recent.view(L, n // self.chunk_pages, self.chunk_pages).sum(-1)
+        counts = torch.zeros((L, self.num_rows + 1), dtype=torch.long, device=sel.device)
+        counts.scatter_add_(1, self.chunk_row.expand(L, -1), per_chunk)
         self._ws_host.copy_(counts.amax(0), non_blocking=True)
+
+    def assign_chunks(self, rows: torch.Tensor, chunks: torch.Tensor) -> None:
+        """Host chunks `chunks` [N] (ids: pages chunk * C ... + C - 1) now belong to batch
+        rows `rows` [N] (the worker's page-directory diff)."""
+        self.chunk_row[chunks.long()] = rows.long()
 
     def working_sets(self) -> np.ndarray:
         """[num_rows + 1] int64 per-row working sets of the last `count_working_sets` call."""
@@ -271,6 +292,8 @@ class TwoTierCache:
         On a GPU the bookkeeping is fused (kernels/retrieve.py); the torch version below is
         the CPU path and the reference."""
         counter = self.prefill_hit_miss if prefill else self.hit_miss
+        if not prefill:
+            self._stamp_selected(layer, pages, num_sel)
         if self.fused:
             return self._retrieve_fused(layer, pages, num_sel, rows, fresh_from, counter)
         K = pages.shape[2]
@@ -278,6 +301,16 @@ class TwoTierCache:
         valid = k < num_sel.unsqueeze(-1)
         fresh = None if fresh_from is None else k >= fresh_from.unsqueeze(-1)
         return self._retrieve_torch(layer, pages, valid, rows, fresh, counter)
+
+    def _stamp_selected(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor) -> None:
+        """last_selected[layer, page] = this step for every valid entry of a decode
+        selection (fixed shapes: invalid entries stamp the scratch page, reset after)."""
+        K = pages.shape[2]
+        valid = torch.arange(K, device=pages.device).view(1, 1, K) < num_sel.unsqueeze(-1)
+        sel = torch.where(valid, pages.long(), self.scratch_page).reshape(-1)
+        stamps = self.last_selected[layer]
+        stamps.index_put_((sel,), self.step32.expand(sel.shape))
+        stamps[self.scratch_page].fill_(-1)
 
     def _retrieve_fused(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor,
                         rows: torch.Tensor, fresh_from: torch.Tensor | None,

@@ -67,6 +67,7 @@ def real_bytes(runner: ModelRunner) -> dict[str, int]:
             c.page_of, c.last_access, c.owner, c.res_fill, c.row_quota, c.step, c.hit_miss,
             c.prefill_hit_miss, c.direct_bytes_saved, *c.loader._counters.values())
         out["residency_index"] = nbytes(c.res_table)
+        out["selection_stamps"] = nbytes(c.last_selected, c.chunk_row, c.step32)
     return out
 
 
@@ -95,7 +96,8 @@ def test_planned_bytes_equal_allocated(model_dir, algo, offload):
         ids = cfg.cache.num_host_pages if offload else cfg.cache.num_pages
         row = get_algorithm_class(algo)(16, 4, 1, 1).summary_bytes_per_page(16, 4)
         assert plan.summaries == 3 * (ids + 1) * row > 0
-    for part in ("page_directory", "rope_tables", "offload_tables", "residency_index"):
+    for part in ("page_directory", "rope_tables", "offload_tables", "residency_index",
+                 "selection_stamps"):
         assert real.get(part, 0) == plan.details.get(part, 0), part
     # allocated on first use for the rows that have penalties: at most what was planned
     assert 0 < real["penalty_state"] <= plan.details["penalty_state"]

@@ -229,21 +229,3 @@ def test_category_lru_order_up_to_need(S, need):
     assert head.unique().numel() == need and bool(((head >= 0) & (head < S)).all())
     key = category_keys(last, owner, quota, step, rows)
     assert sorted(key[head].tolist()) == sorted(key[full[:need]].tolist())
-
-
-@pytest.mark.parametrize("S,rows", [(1, 2), (97, 5), (4097, 17)])
-def test_recent_slots_by_row_matches_scatter_add(S, rows):
-    """The working-set count kernel == the torch scatter_add it replaces, over [L, S] views of
-    [L, S + 1] tensors (the cache's layout: the scratch slot left out)."""
-    from sparseserve.kernels.retrieve import recent_slots_by_row
-    g = torch.Generator().manual_seed(S)
-    L, window = 3, 12
-    last_full = torch.randint(-1, 60, (L, S + 1), generator=g).to(DEVICE)
-    owner_full = torch.randint(0, rows, (L, S + 1), generator=g).to(DEVICE)
-    step = torch.tensor(50, device=DEVICE)
-    last, own = last_full[:, :-1], owner_full[:, :-1]
-    got = recent_slots_by_row(last, own, step, window, rows)
-    recent = (last > step - window) & (last >= 0) & (last <= step)
-    want = torch.zeros((L, rows), dtype=torch.long, device=DEVICE).scatter_add_(
-        1, own, recent.long())
-    assert torch.equal(got, want)
