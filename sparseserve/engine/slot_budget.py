@@ -3,12 +3,13 @@ elastic buffer; policy only, plain Python).
 
 Each layer has `num_slots` device slots. A step may only run requests whose pages fit:
 * a decode request needs its working set: the union of pages it selected over its last `w`
-  decode steps, counted on the GPU (slots it owns used within `w` steps, max over layers) and
-  read back one step late; until the first count arrives, its mandatory selection (the token
-  budget, or every page of a shorter context);
+  decode steps, resident or not, counted on the GPU (per-page selection stamps, max over
+  layers; worker/offload_cache.py) and read back one step late; until the first count
+  arrives, its mandatory selection (the token budget, or every page of a shorter context);
 * a prefill chunk needs, exactly, every page of its request up to the chunk's end (they are all
   mapped to slots while the chunk runs; under layer-segmented prefill that is one layer's pages
-  in each pool it runs).
+  in each pool it runs) — except a whole prompt prefilled slot-free, which needs its first
+  decode selection, plus the newest pages it keeps in the step's spare slots.
 
 A prefill's slots cannot be evicted until its save has landed in DRAM, which the worker
 guarantees one step later (worker/offload_cache.py): so the pages a prefill chunk used in the
