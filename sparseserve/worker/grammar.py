@@ -21,6 +21,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from sparseserve.worker.host_copy import to_device
+
 
 class GrammarMasks:
     def __init__(self, device: torch.device) -> None:
@@ -64,7 +66,7 @@ class GrammarMasks:
         if len(rows) == logits.shape[0] and list(rows) == list(range(len(rows))):
             logits.masked_fill_(forbidden, float("-inf"))
             return
-        idx = torch.tensor(list(rows), device=logits.device)
+        idx = to_device(list(rows), torch.long, logits.device)
         logits[idx] = logits[idx].masked_fill(forbidden, float("-inf"))
 
     def forbidden(self, host: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -20,13 +20,16 @@ bound only where the grammar admits that many tokens:
   the request before min_tokens (the engine's stop checks wait for min_tokens; only a stopped
   grammar ends it).
 
-Batched on the device, no host sync: rows [M] and their stop ids are the only host inputs.
+Batched on the device, no host sync: rows [M] and their stop ids are the only host inputs
+(copied from pinned memory, `host_copy.to_device`).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
+
+from sparseserve.worker.host_copy import to_device
 
 
 def stop_token_index(rows: Sequence[int], stop_ids: Sequence[Sequence[int]], vocab: int,
@@ -41,7 +44,7 @@ def stop_token_index(rows: Sequence[int], stop_ids: Sequence[Sequence[int]], voc
                 r.append(row)
                 t.append(tok)
                 local.append(i)
-    as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+    as_long = lambda v: to_device(v, torch.long, device)  # noqa: E731
     return as_long(r), as_long(t), as_long(local), as_long(list(rows))
 
 

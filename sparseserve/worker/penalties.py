@@ -6,7 +6,8 @@ counts [max_num_seqs, V] of it):
   seen   [R, V] bool   token occurs in the request's prompt or output so far
   counts [R, V] int32  occurrences of the token in the output so far
 
-It is kept up to date without any host sync: `feed` scatters the tokens entering a row's KV
+It is kept up to date without any host sync (host token lists reach the device as pinned,
+non-blocking copies: `host_copy.to_device`): `feed` scatters the tokens entering a row's KV
 this step (prompt chunks, decode tokens) into `seen`; `record` adds each sampled token to
 `counts` and `seen` (device index ops on the sampled-token tensor). A row is re-bound (and
 zeroed) when a different request takes it. A request resumed on a new row after preemption
@@ -23,6 +24,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+
+from sparseserve.worker.host_copy import to_device
 
 
 class PenaltyState:
@@ -67,11 +70,12 @@ class PenaltyState:
             rows.extend([row] * len(ids))
             toks.extend(ids)
         if reset:
-            idx = torch.tensor(reset, device=self.device)
+            idx = to_device(reset, torch.long, self.device)
             self.seen[idx] = False
             self.counts[idx] = 0
         if toks:
-            self.seen[torch.tensor(rows, device=self.device), torch.tensor(toks, device=self.device)] = True
+            self.seen[to_device(rows, torch.long, self.device),
+                      to_device(toks, torch.long, self.device)] = True
 
     def prepare(self, rows: Sequence[int], num_output_tokens: Sequence[int]) -> None:
         """Before sampling: rebuild the counts of rows whose request resumed with outputs the
@@ -82,7 +86,7 @@ class PenaltyState:
                 outs = fed[len(fed) - k:] if k else []
                 self.counts[row] = 0
                 if outs:
-                    t = torch.tensor(outs, device=self.device)
+                    t = to_device(outs, torch.long, self.device)
                     self.counts[row].index_add_(0, t, torch.ones_like(t, dtype=torch.int32))
                 self.num_recorded[row] = k
             self.pending.pop(row, None)
@@ -106,7 +110,7 @@ class PenaltyState:
         """After sampling: sampled [P] int64 (device) are the new output tokens of `rows`
         (`idx`: the same rows as a device tensor, if the caller has it)."""
         if idx is None:
-            idx = torch.tensor(list(rows), device=sampled.device)
+            idx = to_device(list(rows), torch.long, sampled.device)
         self.counts.index_put_((idx, sampled), torch.ones_like(sampled, dtype=torch.int32),
                                accumulate=True)
         self.seen[idx, sampled] = True
@@ -132,8 +136,8 @@ def logit_bias_index(params: Sequence[Any], device: torch.device,
             continue
         cached = getattr(p, "_logit_bias_tensors", None)
         if cached is None or cached[0].device != device:
-            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=device)
-            v = torch.tensor(list(p.logit_bias.values()), dtype=dtype, device=device)
+            ids = to_device(list(p.logit_bias.keys()), torch.long, device)
+            v = to_device(list(p.logit_bias.values()), dtype, device)
             cached = (ids, v)
             object.__setattr__(p, "_logit_bias_tensors", cached)
         rows.append(torch.full_like(cached[0], i))

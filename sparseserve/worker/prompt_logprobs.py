@@ -20,6 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
+from sparseserve.worker.host_copy import to_device
+
 SLICE = 256  # positions per logits slice: bounds the [slice, V] fp32 temporaries
 
 
@@ -67,7 +69,7 @@ class PromptLogprobs:
             if not targets:
                 continue
             logp = torch.cat(rows)
-            tgt = torch.tensor(targets, device=logp.device)
+            tgt = to_device(targets, torch.long, logp.device)
             lp = logp.gather(1, tgt[:, None])[:, 0]
             rank = (logp > lp[:, None]).sum(dim=-1) + 1
             top_lp = top_id = None

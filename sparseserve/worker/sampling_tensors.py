@@ -5,7 +5,8 @@ Consecutive decode steps usually sample the same requests in the same rows, so t
 entries; min_tokens' stop-token entries) are rebuilt only when the composition changes: which
 SamplingParams object is at which sampled position and batch row, and which rows still mask
 stop tokens (a row crossing min_tokens changes it). On a GPU each build is a handful of small
-host->device copies, each of which also stalls the host; a steady decode batch pays none.
+host->device copies from pinned memory, none of which stalls the host (`host_copy.to_device`);
+a steady decode batch pays none.
 
 The key holds the params objects themselves (by identity; the cache keeps them referenced, so
 an id is never reused while cached). SamplingParams are treated as immutable while their
@@ -18,6 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
+from sparseserve.worker.host_copy import to_device
 from sparseserve.worker.min_tokens import stop_token_index
 from sparseserve.worker.penalties import logit_bias_index
 
@@ -45,7 +47,7 @@ class SamplingTensors:
 def build(params: Sequence[Any], rows: Sequence[int], stop_ids: Sequence[Sequence[int]] | None,
           vocab: int, dtype: torch.dtype, device: torch.device) -> SamplingTensors:
     def t(values, dt=None):
-        return torch.tensor(values, device=device, dtype=dt)
+        return to_device(values, dt, device)
 
     greedy = [p.greedy for p in params]
     all_greedy = all(greedy)

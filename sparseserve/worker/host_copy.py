@@ -1,0 +1,38 @@
+"""Small host -> device copies that do not stall the host.
+
+`torch.tensor(values, device="cuda")` builds the tensor in pageable host memory and copies it
+synchronously: the host waits until everything queued on the stream before the copy (the
+step's forward pass, say) has run. The sampler builds a handful of such tensors whenever the
+batch composition changes (per-row temperatures, penalty rows, logit_bias entries, ...), so
+each of those steps would otherwise stall the host once per tensor.
+
+Contract of `to_device(values, dtype, device)`:
+* `values`: a sequence (list, tuple, numpy array) of numbers or bools, possibly empty;
+  `dtype` None infers it as `torch.tensor` does.
+* On a CUDA device the values are staged in pinned host memory and copied with
+  `non_blocking=True` on the current stream: kernels queued after it on that stream see the
+  values, and the host does not wait. The staging block comes from PyTorch's caching host
+  allocator, which does not hand it out again before the copy has finished, so the caller
+  may drop the host tensor at once.
+* On the CPU it is `torch.tensor(values, dtype=dtype)`; on another device that tensor
+  copied there (synchronously).
+
+The sampler's modules (sampling_tensors, penalties, min_tokens, grammar, prompt_logprobs)
+build every device tensor from host values through `to_device`, never with
+`torch.tensor(..., device=...)` (tests/worker/test_host_copy.py checks a sampler step).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+
+def to_device(values: Any, dtype: Optional[torch.dtype], device: torch.device | str) -> torch.Tensor:
+    """`values` as a tensor on `device` (see the module docstring for the copy's contract)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        host = torch.tensor(values, dtype=dtype, pin_memory=True)
+        return host.to(device, non_blocking=True)
+    host = torch.tensor(values, dtype=dtype)
+    return host if device.type == "cpu" else host.to(device)
