@@ -22,6 +22,7 @@ from sparseserve.model.loader import iter_weights
 from sparseserve.request import SamplingParams
 from sparseserve.worker.cpu_threads import CpuThreadPolicy
 from sparseserve.worker.forward_context import ForwardContext, KVCacheTensors, PrefillSeq
+from sparseserve.worker.host_copy import to_device
 from sparseserve.worker.offload_cache import TwoTierCache
 from sparseserve.worker.offload_context import OffloadForwardContext
 from sparseserve.worker.page_directory import PageDirectory
@@ -194,9 +195,9 @@ class ModelRunner:
             n += c.num_tokens
         dev = self.device
         self._np_pos, self._np_rows = np.asarray(pos), np.asarray(rows)
-        input_ids = _to_device(ids, torch.long, dev)
-        positions = _to_device(pos, torch.long, dev)
-        token_rows = _to_device(rows, torch.long, dev)
+        input_ids = to_device(ids, torch.long, dev)
+        positions = to_device(pos, torch.long, dev)
+        token_rows = to_device(rows, torch.long, dev)
 
         nd = sum(1 for c in chunks if c.is_decode)
         if self.graphs is not None and nd and self.graphs.bucket(nd) is not None:
@@ -241,7 +242,7 @@ class ModelRunner:
             sub = [chunks[i] for i in active]
             idx_np = np.concatenate([np.arange(offsets[i], offsets[i] + chunks[i].num_tokens)
                                      for i in active])
-            idx = _to_device(idx_np, torch.long, dev)
+            idx = to_device(idx_np, torch.long, dev)
             sub_offsets = np.cumsum([0] + [c.num_tokens for c in sub])[:-1].tolist()
             ctx = self._context(sub, sub_offsets, token_rows[idx], positions[idx],
                                 np_idx=idx_np)
@@ -410,17 +411,10 @@ class ModelRunner:
             c_idx.append(np.repeat(np.arange(c.first_new_chunk, c.first_new_chunk + n), hkv))
             vals.append(c.new_chunks.reshape(-1))
         r, h, ci, val = (np.concatenate(x) for x in (r_idx, h_idx, c_idx, vals))
-        self.pages.write(r, h, ci, val, lambda x, dt: _to_device(x, dt, self.device))
+        self.pages.write(r, h, ci, val, lambda x, dt: to_device(x, dt, self.device))
         if self.offload is not None:  # who owns which host chunk: working-set counts
-            self.offload.assign_chunks(_to_device(r, torch.long, self.device),
-                                       _to_device(val, torch.long, self.device))
-
-
-def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    t = torch.as_tensor(np.asarray(values), dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
+            self.offload.assign_chunks(to_device(r, torch.long, self.device),
+                                       to_device(val, torch.long, self.device))
 
 
 def _layer_intervals(chunks: list[ScheduledChunk]) -> list[tuple[int, int]]:
