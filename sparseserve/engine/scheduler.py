@@ -199,7 +199,7 @@ class Scheduler:
             if not c.slot_free:
                 continue
             per_head = min(cdiv(c.start + c.num_tokens, slots.page_size), slots.left // 2 // hkv)
-            if per_head > 0 and slots.try_take(c.row, c.request_id, per_head * hkv, True):
+            if per_head > 0 and slots.extend(c.row, c.request_id, per_head * hkv):
                 c.resident_pages = per_head
 
     def _take_slots(self, row: int, req: Request, n_tokens: int,

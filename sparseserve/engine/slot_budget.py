@@ -94,6 +94,21 @@ class SlotBudget:
             self.prefill_now[request_id] = need
         return True
 
+    def extend(self, row: int, request_id: str, extra: int) -> bool:
+        """Grow `row`'s reservation of this step by `extra` slots per layer, pinned next step
+        like a prefill's (a slot-free prompt's resident pages). Charged once against what the
+        request pinned last step: the growth of the total need over the pinned slots — not a
+        second discount (two separate try_take calls would subtract the pinned slots twice)."""
+        before = self.needs.get(row, 0)
+        pinned = self.pinned.get(request_id, 0)
+        charge = max(0, before + extra - pinned) - max(0, before - pinned)
+        if charge > self.left:
+            return False
+        self.left -= charge
+        self.needs[row] = before + extra
+        self.prefill_now[request_id] = extra
+        return True
+
     @property
     def estimated_working_set(self) -> int:
         """Slots per layer the admitted requests of this step are estimated to need."""
