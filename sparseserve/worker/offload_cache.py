@@ -32,6 +32,7 @@ from sparseserve.config import CacheConfig
 from sparseserve.kernels import residency_hash
 from sparseserve.kvcache.eviction import victim_order
 from sparseserve.transfer import PageLoader, make_saver
+from sparseserve.worker.host_copy import to_device
 
 # last_access of a slot whose page has a save in flight (+ the step's parity): in the future,
 # so its age is 0 and it is never a victim; outside every working-set window
@@ -184,9 +185,15 @@ class TwoTierCache:
         """Pages returned to the host pool: drop their residency (their ids will be reused)."""
         if pages.size == 0:
             return
-        # a scatter still in flight must not land in a page after its next owner's data
-        self.wait_saves()
-        idx = torch.as_tensor(pages, dtype=torch.long).to(self.page_of.device)
+        # a save still in flight must not land in a page after its next owner's data: saves
+        # ordered on the device (GPU-direct, per-page copies) are fenced on the stream — the
+        # next owner's writes are queued after it, the host does not wait; FlashD2H's CPU
+        # scatter completes only on the host, so there the host waits
+        if hasattr(self.saver, "device_fence"):
+            self.saver.device_fence()
+        else:
+            self.wait_saves()
+        idx = to_device(pages, torch.long, self.page_of.device)
         # the pages leave their request: no selection stamp, no owner (ids are reused)
         self.last_selected[:, idx] = -1
         self.chunk_row[torch.div(idx, self.chunk_pages, rounding_mode="floor")] = self.scratch_row
