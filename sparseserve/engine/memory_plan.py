@@ -174,8 +174,9 @@ def metadata_bytes(cfg: EngineConfig) -> dict[str, int]:
     (chunk ids [rows + 1, Hkv, n] int32 + offsets [n * C] int32); offload_cache.TwoTierCache
     (page_of / last_access / owner [L, slots + 1] int64, fill counts [L, 2], quotas
     [rows + 1], six int64 counters + the loader's two; residency index [L, table_size]
-    int32; selection stamps of every host page [L, n * C] int32 and chunk owners [n]); the RoPE tables (layers.RotaryEmbedding: [len, D] + [len, 2, D] fp32, inv_freq)
-    and penalties.PenaltyState at its largest ([max_num_seqs, vocab] bool + int32)."""
+    int32; selection stamps of every host page [L, n * C] int32 and chunk owners [n]); the
+    RoPE tables (layers.RotaryEmbedding: [len, D] + [len, 2, D] fp32, inv_freq) and
+    penalties.PenaltyState at its largest ([max_num_seqs, vocab] bool + int32)."""
     from sparseserve.kernels.residency_hash import table_size
 
     layers, hkv, d, e = _rank_shape(cfg)

@@ -413,8 +413,8 @@ class ModelRunner:
         r, h, ci, val = (np.concatenate(x) for x in (r_idx, h_idx, c_idx, vals))
         self.pages.write(r, h, ci, val, lambda x, dt: to_device(x, dt, self.device))
         if self.offload is not None:  # who owns which host chunk: working-set counts
-            self.offload.assign_chunks(to_device(r, torch.long, self.device),
-                                       to_device(val, torch.long, self.device))
+            owners = to_device(np.stack([r, val]), torch.long, self.device)  # one copy
+            self.offload.assign_chunks(owners[0], owners[1])
 
 
 def _layer_intervals(chunks: list[ScheduledChunk]) -> list[tuple[int, int]]:

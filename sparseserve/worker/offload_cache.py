@@ -143,6 +143,8 @@ class TwoTierCache:
         # on the hot path, reported so it is seen
         self.save_wait_s = 0.0
         self._device_fence = False  # begin_step: make the stream wait for the saves so far
+        # saves complete in stream order (GPU-direct, per-page copies): fenced on the device
+        self.saves_ordered = cache.saves_ordered_on_device
 
     # ---- per step -------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -169,7 +171,7 @@ class TwoTierCache:
         """Order every save issued up to the end of this step before the next step's device
         work (a stream wait, the host does not block): slot-free prefills' pages are loaded
         from DRAM by their first decode step. Only savers that complete in stream order."""
-        if not hasattr(self.saver, "device_fence"):
+        if not self.saves_ordered:
             raise RuntimeError(f"{type(self.saver).__name__} completes on the host: slot-free "
                                "prefill needs saves ordered on the device (d2h gpu-direct)")
         self._device_fence = True
@@ -189,7 +191,7 @@ class TwoTierCache:
         # ordered on the device (GPU-direct, per-page copies) are fenced on the stream — the
         # next owner's writes are queued after it, the host does not wait; FlashD2H's CPU
         # scatter completes only on the host, so there the host waits
-        if hasattr(self.saver, "device_fence"):
+        if self.saves_ordered:
             self.saver.device_fence()
         else:
             self.wait_saves()
@@ -299,21 +301,21 @@ class TwoTierCache:
         On a GPU the bookkeeping is fused (kernels/retrieve.py); the torch version below is
         the CPU path and the reference."""
         counter = self.prefill_hit_miss if prefill else self.hit_miss
+        valid = None
+        if not prefill or not self.fused:  # the fused kernels take num_sel themselves
+            K = pages.shape[2]
+            k = torch.arange(K, device=pages.device).view(1, 1, K)
+            valid = k < num_sel.unsqueeze(-1)  # [B, Hkv, K]
         if not prefill:
-            self._stamp_selected(layer, pages, num_sel)
+            self._stamp_selected(layer, pages, valid)
         if self.fused:
             return self._retrieve_fused(layer, pages, num_sel, rows, fresh_from, counter)
-        K = pages.shape[2]
-        k = torch.arange(K, device=pages.device).view(1, 1, K)
-        valid = k < num_sel.unsqueeze(-1)
         fresh = None if fresh_from is None else k >= fresh_from.unsqueeze(-1)
         return self._retrieve_torch(layer, pages, valid, rows, fresh, counter)
 
-    def _stamp_selected(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor) -> None:
-        """last_selected[layer, page] = this step for every valid entry of a decode
-        selection (fixed shapes: invalid entries stamp the scratch page, reset after)."""
-        K = pages.shape[2]
-        valid = torch.arange(K, device=pages.device).view(1, 1, K) < num_sel.unsqueeze(-1)
+    def _stamp_selected(self, layer: int, pages: torch.Tensor, valid: torch.Tensor) -> None:
+        """last_selected[layer, page] = this step for every valid entry [B, Hkv, K] of a
+        decode selection (fixed shapes: invalid entries stamp the scratch page, reset after)."""
         sel = torch.where(valid, pages.long(), self.scratch_page).reshape(-1)
         stamps = self.last_selected[layer]
         stamps.index_put_((sel,), self.step32.expand(sel.shape))
