@@ -414,7 +414,7 @@ class ModelRunner:
         self.pages.write(r, h, ci, val, lambda x, dt: to_device(x, dt, self.device))
         if self.offload is not None:  # who owns which host chunk: working-set counts
             owners = to_device(np.stack([r, val]), torch.long, self.device)  # one copy
-            self.offload.assign_chunks(owners[0], owners[1])
+            self.offload.stamps.assign(owners[0], owners[1])
 
 
 def _layer_intervals(chunks: list[ScheduledChunk]) -> list[tuple[int, int]]:

@@ -33,6 +33,7 @@ from sparseserve.kernels import residency_hash
 from sparseserve.kvcache.eviction import victim_order
 from sparseserve.transfer import PageLoader, make_saver
 from sparseserve.worker.host_copy import to_device
+from sparseserve.worker.selection_stamps import SelectionStamps
 
 # last_access of a slot whose page has a save in flight (+ the step's parity): in the future,
 # so its age is 0 and it is never a victim; outside every working-set window
@@ -107,19 +108,9 @@ class TwoTierCache:
         # prefill's own retrieves (its pages into slots): counted apart from decode's hit rate
         self.prefill_hit_miss = torch.zeros(2, dtype=torch.long, device=device)
         self.num_rows = num_rows
-        # working sets as SparseServe defines them: the pages a row selected within the last
-        # `window` decode steps, resident now or not. (Counting the row's recently used
-        # resident slots undercounts exactly when the cache is short — an evicted page drops
-        # out of the count, the row's quota shrinks with it, more of its pages are evicted.)
-        # last_selected [L, n_chunks * C]: the step each host page was last selected (-1:
-        # not within any request's life; the scratch page never), int32; chunk_row [n_chunks]:
-        # the batch row owning each host chunk (the scratch row when free)
-        C = self.chunk_pages = cache.chunk_pages
-        n_chunks = -(-hp // C)
-        self.last_selected = torch.full((num_layers, n_chunks * C), -1, dtype=torch.int32,
-                                        device=device)
-        self.chunk_row = torch.full((n_chunks,), num_rows, dtype=torch.long, device=device)
-        self.step32 = torch.zeros((), dtype=torch.int32, device=device)
+        # working sets by selection (worker/selection_stamps.py)
+        self.stamps = SelectionStamps(num_layers, cache.num_host_pages, cache.chunk_pages,
+                                      num_rows, device)
         # working set per row (pages per layer, max over layers), read one step late
         self._ws_host = torch.zeros(num_rows + 1, dtype=torch.long,
                                     pin_memory=device.type == "cuda")
@@ -152,7 +143,7 @@ class TwoTierCache:
         they marked pending become ordinary slots aged out of the working-set window (step
         s - 1's stay pending, so nothing saved then can be evicted and reloaded)."""
         self.step += 1
-        self.step32 += 1
+        self.stamps.advance()
         self._host_step += 1
         if self._device_fence:
             self.saver.device_fence()
@@ -196,9 +187,7 @@ class TwoTierCache:
         else:
             self.wait_saves()
         idx = to_device(pages, torch.long, self.page_of.device)
-        # the pages leave their request: no selection stamp, no owner (ids are reused)
-        self.last_selected[:, idx] = -1
-        self.chunk_row[torch.div(idx, self.chunk_pages, rounding_mode="floor")] = self.scratch_row
+        self.stamps.forget(idx)
         for layer in range(self.num_layers):
             slots = self.slot_of(layer, idx)
             slots = torch.where(slots >= 0, slots, self.scratch_slot)
@@ -228,22 +217,9 @@ class TwoTierCache:
 
     def count_working_sets(self) -> None:
         """Start counting each row's working set: the pages it selected in the last `window`
-        decode steps (resident or not), per layer, max over layers -> a pinned host buffer,
-        copied without a sync (valid once the step's token copy has synchronised; see
-        `working_sets`). One pass over every layer's page stamps, a sum per chunk and a
-        scatter by the chunk's row."""
-        L, n = self.last_selected.shape
-        sel = self.last_selected
-        recent = (sel > self.step32 - self.window) & (sel >= 0)  # [L, n]
-        per_chunk = recent.view(L, n // self.chunk_pages, self.chunk_pages).sum(-1)
-        counts = torch.zeros((L, self.num_rows + 1), dtype=torch.long, device=sel.device)
-        counts.scatter_add_(1, self.chunk_row.expand(L, -1), per_chunk)
-        self._ws_host.copy_(counts.amax(0), non_blocking=True)
-
-    def assign_chunks(self, rows: torch.Tensor, chunks: torch.Tensor) -> None:
-        """Host chunks `chunks` [N] (ids: pages chunk * C ... + C - 1) now belong to batch
-        rows `rows` [N] (the worker's page-directory diff)."""
-        self.chunk_row[chunks.long()] = rows.long()
+        decode steps (resident or not), max over layers -> a pinned host buffer, copied
+        without a sync (valid once the step's token copy has synchronised; `working_sets`)."""
+        self._ws_host.copy_(self.stamps.counts(self.window).amax(0), non_blocking=True)
 
     def working_sets(self) -> np.ndarray:
         """[num_rows + 1] int64 per-row working sets of the last `count_working_sets` call."""
@@ -307,19 +283,11 @@ class TwoTierCache:
             k = torch.arange(K, device=pages.device).view(1, 1, K)
             valid = k < num_sel.unsqueeze(-1)  # [B, Hkv, K]
         if not prefill:
-            self._stamp_selected(layer, pages, valid)
+            self.stamps.stamp(layer, pages, valid)
         if self.fused:
             return self._retrieve_fused(layer, pages, num_sel, rows, fresh_from, counter)
         fresh = None if fresh_from is None else k >= fresh_from.unsqueeze(-1)
         return self._retrieve_torch(layer, pages, valid, rows, fresh, counter)
-
-    def _stamp_selected(self, layer: int, pages: torch.Tensor, valid: torch.Tensor) -> None:
-        """last_selected[layer, page] = this step for every valid entry [B, Hkv, K] of a
-        decode selection (fixed shapes: invalid entries stamp the scratch page, reset after)."""
-        sel = torch.where(valid, pages.long(), self.scratch_page).reshape(-1)
-        stamps = self.last_selected[layer]
-        stamps.index_put_((sel,), self.step32.expand(sel.shape))
-        stamps[self.scratch_page].fill_(-1)
 
     def _retrieve_fused(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor,
                         rows: torch.Tensor, fresh_from: torch.Tensor | None,

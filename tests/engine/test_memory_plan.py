@@ -67,7 +67,7 @@ def real_bytes(runner: ModelRunner) -> dict[str, int]:
             c.page_of, c.last_access, c.owner, c.res_fill, c.row_quota, c.step, c.hit_miss,
             c.prefill_hit_miss, c.direct_bytes_saved, *c.loader._counters.values())
         out["residency_index"] = nbytes(c.res_table)
-        out["selection_stamps"] = nbytes(c.last_selected, c.chunk_row, c.step32)
+        out["selection_stamps"] = nbytes(c.stamps.last_selected, c.stamps.chunk_row, c.stamps.step)
     return out
 
 

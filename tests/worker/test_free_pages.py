@@ -27,7 +27,7 @@ def test_free_pages_waits_on_the_host_only_for_host_completed_saves(d2h, host_wa
         real_fence = c.saver.device_fence
         c.saver.device_fence = lambda: (calls.__setitem__("device", calls["device"] + 1),
                                         real_fence())
-    c.assign_chunks(torch.tensor([0]), torch.tensor([0]))
+    c.stamps.assign(torch.tensor([0]), torch.tensor([0]))
     c.begin_step()
     pages = torch.tensor([[[1, 2, 3]]], dtype=torch.int32).expand(1, 1, 3).contiguous()
     for layer in range(L):
@@ -36,5 +36,5 @@ def test_free_pages_waits_on_the_host_only_for_host_completed_saves(d2h, host_wa
     c.free_pages(np.arange(0, 16))
     assert calls == ({"host": 1, "device": 0} if host_waits else {"host": 0, "device": 1})
     assert int((c.page_of[:, :-1] >= 0).sum()) == 0
-    assert int((c.last_selected[:, :16] >= 0).sum()) == 0
+    assert int((c.stamps.last_selected[:, :16] >= 0).sum()) == 0
     c.close()

@@ -1,4 +1,4 @@
-"""Working sets counted by selection (worker/offload_cache.py, SparseServe's definition): the
+"""Working sets counted by selection (worker/selection_stamps.py through worker/offload_cache.py, SparseServe's definition): the
 pages a row selected in its last `window` decode steps, per layer, max over layers — resident
 or not. Checked against an explicit Python union over a run of decode retrieves on a device
 tier far too small for the selections (so most selected pages are evicted again), with
@@ -28,7 +28,7 @@ def test_working_set_is_the_union_of_recent_selections_even_when_evicted():
     # row 0 owns chunks 0-1, row 2 owns chunk 5 (its pages 80..95), row 1 nothing yet
     owned = {0: [0, 1], 2: [5]}
     for row, chunks in owned.items():
-        c.assign_chunks(torch.tensor([row] * len(chunks)), torch.tensor(chunks))
+        c.stamps.assign(torch.tensor([row] * len(chunks)), torch.tensor(chunks))
     rng = np.random.default_rng(3)
     history = []  # (step, layer, row, set of pages)
     for step in range(1, 14):
@@ -68,5 +68,5 @@ def test_working_set_is_the_union_of_recent_selections_even_when_evicted():
     c.count_working_sets()
     got = c.working_sets()
     assert got[0] == 0 and got[2] > 0
-    assert int((c.last_selected[:, :2 * C] >= 0).sum()) == 0
-    assert int(c.last_selected[:, c.scratch_page].max()) == -1
+    assert int((c.stamps.last_selected[:, :2 * C] >= 0).sum()) == 0
+    assert int(c.stamps.last_selected[:, c.scratch_page].max()) == -1
