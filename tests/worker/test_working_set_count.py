@@ -1,6 +1,6 @@
-"""Working sets counted by selection (worker/selection_stamps.py through worker/offload_cache.py, SparseServe's definition): the
-pages a row selected in its last `window` decode steps, per layer, max over layers — resident
-or not. Checked against an explicit Python union over a run of decode retrieves on a device
+"""Working sets counted by selection (worker/selection_stamps.py, fed by
+worker/offload_cache.py; SparseServe's definition): the pages a row selected in its last
+`window` decode steps, per layer, max over layers — resident or not. Checked against an explicit Python union over a run of decode retrieves on a device
 tier far too small for the selections (so most selected pages are evicted again), with
 chunks owned by different rows, a padding lane, odd selection lengths, and freed pages."""
 import numpy as np
