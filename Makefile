@@ -44,10 +44,15 @@ test: setup
 TEST_PY := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
 TEST_GPU_PATHS ?= tests/kernels tests/transfer tests/gpu
 TEST_GPU_ARGS ?= -q -rfs --durations=15
+# With pytest-xdist installed the GPU run spreads over TEST_GPU_JOBS processes sharing the one
+# GPU: Triton compiles on the host's cores, and every test of tests/gpu sizes its own small KV
+# cache (kv_cache_memory_bytes), so the processes fit together in HBM.
+TEST_GPU_JOBS ?= 4
+TEST_GPU_XDIST = $(shell $(TEST_PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_GPU_JOBS)")
 
 test-gpu:
 	@$(TEST_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'test-gpu: no CUDA device here (torch.cuda.is_available() is False)')"
-	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(TEST_PY) -m pytest $(TEST_GPU_PATHS) $(TEST_GPU_ARGS)
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(TEST_PY) -m pytest $(TEST_GPU_PATHS) $(TEST_GPU_ARGS) $(TEST_GPU_XDIST)
 
 clean:
 	rm -rf $(VENV)

@@ -32,7 +32,10 @@ def to_device(values: Any, dtype: Optional[torch.dtype], device: torch.device | 
     """`values` as a tensor on `device` (see the module docstring for the copy's contract)."""
     device = torch.device(device)
     if device.type == "cuda":
-        host = torch.tensor(values, dtype=dtype, pin_memory=True)
+        # torch.tensor(..., pin_memory=True) refuses numpy arrays ("Can't pin tensor
+        # constructed from numpy"), and the page lists of prefill arrive as numpy: build the
+        # host tensor first, then pin it (one extra copy of a few hundred bytes).
+        host = torch.tensor(values, dtype=dtype).pin_memory()
         return host.to(device, non_blocking=True)
     host = torch.tensor(values, dtype=dtype)
     return host if device.type == "cpu" else host.to(device)

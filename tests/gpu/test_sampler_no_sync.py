@@ -5,6 +5,8 @@ synchronizing copy made inside a step. The greedy rows, penalised or not, match 
 sampler on the CPU over several steps."""
 from contextlib import contextmanager
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -64,3 +66,21 @@ def test_new_compositions_sample_without_a_host_sync():
     cpu = sample(torch.device("cpu"), steps=4)
     greedy = [i for i, p in enumerate(PARAMS) if p.greedy]
     assert torch.equal(gpu[:, greedy], cpu[:, greedy])
+
+
+@pytest.mark.parametrize("values,dtype", [
+    ([1, 5, 2], None),
+    ((0.5, 1.0, 2.0), torch.float32),
+    ([], torch.long),
+    (np.array([0, 0, 1, 3, 3], dtype=np.int64), torch.int64),
+])
+def test_to_device_on_cuda_takes_every_host_sequence(values, dtype):
+    """Lists, tuples, empty lists and numpy arrays (prefill's page lists) all reach the GPU
+    pinned and non-blocking, with torch.tensor's values and dtype."""
+    from sparseserve.worker.host_copy import to_device
+    device = torch.device("cuda")
+    with no_host_sync(device):
+        got = to_device(values, dtype, device)
+    want = torch.tensor(values, dtype=dtype)
+    assert got.device.type == "cuda" and got.dtype == want.dtype
+    assert torch.equal(got.cpu(), want)
