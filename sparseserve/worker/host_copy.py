@@ -39,3 +39,10 @@ def to_device(values: Any, dtype: Optional[torch.dtype], device: torch.device | 
         return host.to(device, non_blocking=True)
     host = torch.tensor(values, dtype=dtype)
     return host if device.type == "cpu" else host.to(device)
+
+
+def fill_at(target: torch.Tensor, index: tuple[torch.Tensor, ...], value: float | bool) -> None:
+    """In place: `target[index] = value` for a tuple of device index tensors, without a host
+    sync. (`target[idx] = scalar` wraps the scalar in a CPU tensor that index_put_ copies to
+    the device synchronously; a 0-dim device tensor built by a fill kernel is not copied.)"""
+    target.index_put_(index, torch.full((), value, dtype=target.dtype, device=target.device))

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from sparseserve.worker.host_copy import to_device
+from sparseserve.worker.host_copy import fill_at, to_device
 
 
 def stop_token_index(rows: Sequence[int], stop_ids: Sequence[Sequence[int]], vocab: int,
@@ -55,6 +55,6 @@ def mask_stop_tokens(logits: torch.Tensor, index: tuple[torch.Tensor, ...]) -> N
     if r.numel() == 0:
         return
     before = logits[r, t]
-    logits[r, t] = float("-inf")
+    fill_at(logits, (r, t), float("-inf"))
     nothing_left = torch.isneginf(logits[rows]).all(dim=-1)  # [M]: the grammar can only end
     logits[r, t] = torch.where(nothing_left[local], before, torch.full_like(before, float("-inf")))

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from sparseserve.worker.host_copy import to_device
+from sparseserve.worker.host_copy import fill_at, to_device
 
 
 class PenaltyState:
@@ -71,11 +71,11 @@ class PenaltyState:
             toks.extend(ids)
         if reset:
             idx = to_device(reset, torch.long, self.device)
-            self.seen[idx] = False
-            self.counts[idx] = 0
+            self.seen.index_fill_(0, idx, False)
+            self.counts.index_fill_(0, idx, 0)
         if toks:
-            self.seen[to_device(rows, torch.long, self.device),
-                      to_device(toks, torch.long, self.device)] = True
+            fill_at(self.seen, (to_device(rows, torch.long, self.device),
+                                to_device(toks, torch.long, self.device)), True)
 
     def prepare(self, rows: Sequence[int], num_output_tokens: Sequence[int]) -> None:
         """Before sampling: rebuild the counts of rows whose request resumed with outputs the
@@ -84,7 +84,7 @@ class PenaltyState:
             if self.num_recorded.get(row, 0) != k:
                 fed = self.pending.get(row) or []
                 outs = fed[len(fed) - k:] if k else []
-                self.counts[row] = 0
+                self.counts[row].zero_()
                 if outs:
                     t = to_device(outs, torch.long, self.device)
                     self.counts[row].index_add_(0, t, torch.ones_like(t, dtype=torch.int32))
@@ -113,7 +113,7 @@ class PenaltyState:
             idx = to_device(list(rows), torch.long, sampled.device)
         self.counts.index_put_((idx, sampled), torch.ones_like(sampled, dtype=torch.int32),
                                accumulate=True)
-        self.seen[idx, sampled] = True
+        fill_at(self.seen, (idx, sampled), True)
         for row in rows:
             self.num_recorded[row] = self.num_recorded.get(row, 0) + 1
 
