@@ -125,8 +125,12 @@ def run_point(engine, requests: list, rate: float, cap_s: float, seed: int) -> d
         finally:
             task.cancel()
 
+    from system_run import StepRecorder, summarize_steps
+
     t = time.perf_counter()
-    r = asyncio.run(go())
+    with StepRecorder(engine.executor, engine.config.model.num_hidden_layers,
+                      count_loads=True) as steps:
+        r = asyncio.run(go())
     if engine.has_unfinished_requests():  # the shutdown aborts; make sure nothing is left
         engine.abort_request(list(engine._parents))
         while engine.has_unfinished_requests():
@@ -142,7 +146,9 @@ def run_point(engine, requests: list, rate: float, cap_s: float, seed: int) -> d
              "mean_queue_s": sm.get("mean_queue_time_s"),
              "preemptions": sm.get("preemptions"), "pages_loaded": sm.get("pages_loaded"),
              "kv_cache_hit_rate": sm.get("kv_cache_hit_rate"), "server_metrics": sm,
-             "first_error": next((e for e in r.get("errors", []) if e), None)}
+             "first_error": next((e for e in r.get("errors", []) if e), None),
+             "steps": summarize_steps(steps.history, engine.config.model.num_hidden_layers,
+                                      r["duration"])}
     # mean TTFT over every sent request, the time until the cut standing in for a missing one
     ttfts = [(x.ttft if x.ttft is not None else x.latency) for x in backend.results]
     point["mean_ttft_lb_ms"] = 1000 * sum(ttfts) / len(ttfts) if ttfts else None
@@ -155,6 +161,16 @@ def _log_point(deadline, preset: str, p: dict) -> None:
                     f"{C.fmt(R.out_tok_s(p), 0)} out tok/s, TTFT {C.fmt(R.ttft_ms(p), 0)} ms, "
                     f"ITL p99 {C.fmt(p['p99_itl_ms'], 0)} ms, {C.fmt(p['preemptions'], 0)} "
                     f"preemptions, {p['wall_s']:.1f} s")
+    st = p.get("steps")
+    if st:
+        d, m = st["decode_only"], st["with_prefill"]
+        E.log(deadline, f"    steps: {d['steps']} decode-only ({C.fmt(d['mean_ms'], 1)} ms, "
+                        f"{C.fmt(d['mean_decode_rows'], 1)} rows, "
+                        f"{C.fmt(d.get('pages_loaded_per_step'), 0)} pages loaded), "
+                        f"{m['steps']} with prefill "
+                        f"({C.fmt(m['mean_ms'], 1)} ms, {C.fmt(m['mean_decode_rows'], 1)} rows, "
+                        f"{C.fmt(m['prefill_tokens_per_s'], 0)} prefill tok/s), "
+                        f"{st['outside_exec_s']:.1f} s outside execute")
 
 
 def run_preset(a, preset: str, model: str, vocab: int, device: str, dtype: str, deadline,

@@ -23,10 +23,15 @@ class StepRecorder:
     outside the timed step). A step much slower than its work shows here why: host-side,
     compiling, or allocating."""
 
-    def __init__(self, runner, num_layers: int) -> None:
+    def __init__(self, runner, num_layers: int, count_loads: bool = False) -> None:
         self.runner = runner
         self.num_layers = num_layers
+        # count_loads: also read the two-tier cache's load counter after each step (one small
+        # device read, as the server does after every step) into history's "pages_loaded"
+        self.count_loads = count_loads
+        self._loaded = None
         self.last: dict = {}
+        self.history: list[dict] = []  # per step: decode rows, prefill token-layers, exec_s
         self._original = runner.execute
         self.compiled: list[str] = []  # names of the Triton kernels compiled so far
 
@@ -47,6 +52,14 @@ class StepRecorder:
             return self._original(out)
         finally:
             self.last.update(exec_s=time.perf_counter() - t0, compiled=self.compiled[c0:])
+            entry = {k: self.last[k] for k in ("decode", "prefill_token_layers", "exec_s")}
+            if self.count_loads:
+                tier = self.runner.offload_stats()
+                loaded = tier["pages_loaded_total"] if tier else 0
+                entry["pages_loaded"] = loaded - (self._loaded if self._loaded is not None
+                                                  else loaded)
+                self._loaded = loaded
+            self.history.append(entry)
 
     def __enter__(self):
         self.runner.execute = self._execute
@@ -56,6 +69,33 @@ class StepRecorder:
     def __exit__(self, *exc):
         self.runner.__dict__.pop("execute", None)
         _set_compile_hook(self._hook)
+
+
+def summarize_steps(history: list[dict], num_layers: int, duration_s: float) -> dict:
+    """Where a run's time went, from StepRecorder.history: the steps that only decode and the
+    steps that carry prefill work (their count, mean seconds inside execute, mean decode rows),
+    prefill tokens per second of those steps, and the share of the run's duration spent
+    outside execute (scheduling, output handling, idle waiting for arrivals)."""
+    pure = [s for s in history if not s["prefill_token_layers"]]
+    mixed = [s for s in history if s["prefill_token_layers"]]
+    exec_total = sum(s["exec_s"] for s in history)
+
+    def part(steps: list[dict]) -> dict:
+        secs = sum(s["exec_s"] for s in steps)
+        out = {"steps": len(steps), "exec_s": secs,
+               "mean_ms": 1e3 * secs / len(steps) if steps else None,
+               "mean_decode_rows": (sum(s["decode"] for s in steps) / len(steps)
+                                    if steps else None)}
+        if steps and "pages_loaded" in steps[0]:
+            out["pages_loaded_per_step"] = sum(s["pages_loaded"] for s in steps) / len(steps)
+        return out
+    mixed_part = part(mixed)
+    tokens = sum(s["prefill_token_layers"] for s in mixed) / num_layers
+    mixed_part["prefill_tokens"] = tokens
+    mixed_part["prefill_tokens_per_s"] = tokens / mixed_part["exec_s"] if mixed else None
+    return {"steps": len(history), "exec_s": exec_total,
+            "outside_exec_s": max(0.0, duration_s - exec_total),
+            "decode_only": part(pure), "with_prefill": mixed_part}
 
 
 def _set_compile_hook(hook):

@@ -44,6 +44,16 @@ def test_serving_smoke(tmp_path):
         assert sm[0]["prompt_tokens"] == sm[1]["prompt_tokens"] > 0
         if name == "sparseserve":
             assert sm[0]["bytes_saved"] == sm[1]["bytes_saved"] > 0
+        for p, m in zip(pts, sm):
+            # the step breakdown: every step is counted once, every prompt token prefilled
+            # once (no preemption here), the time inside execute fits in the point's duration
+            st = p["steps"]
+            d, w = st["decode_only"], st["with_prefill"]
+            assert d["steps"] + w["steps"] == st["steps"] > 0 and w["steps"] > 0
+            assert w["prefill_tokens"] == pytest.approx(m["prompt_tokens"])
+            assert 0 < st["exec_s"] <= p["duration"] + 1e-6
+            assert st["outside_exec_s"] == pytest.approx(p["duration"] - st["exec_s"])
+            assert d["pages_loaded_per_step"] >= 0 and w["pages_loaded_per_step"] >= 0
     c = r["comparison"]["sparseserve"]
     assert [x["rate"] for x in c["per_rate"]] == rates
     assert all(x["ttft_ratio_quality"] == "exact" for x in c["per_rate"])
