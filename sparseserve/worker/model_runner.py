@@ -258,7 +258,7 @@ class ModelRunner:
         sampling_rows = [off + c.num_tokens - 1 for c, off in zip(chunks, offsets) if c.sample]
         if not sampling_rows:
             return None
-        return self.model.compute_logits(h[torch.tensor(sampling_rows, device=dev)])
+        return self.model.compute_logits(h[to_device(sampling_rows, torch.long, dev)])
 
     def _initial_hidden(self, chunks: list[ScheduledChunk], offsets: list[int],
                         input_ids: torch.Tensor) -> torch.Tensor:
