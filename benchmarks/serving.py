@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 import engine_bench as E  # noqa: E402
 import serving_report as R  # noqa: E402
+from system_run import step_range  # noqa: E402
 
 GiB = 1 << 30
 PRESETS = ("dense", "sparse", "sparse-offload", "sparseserve")
@@ -98,8 +99,11 @@ class RecordingBackend:
         return res
 
 
-def run_point(engine, requests: list, rate: float, cap_s: float, seed: int) -> dict:
-    """One benchmark run at `rate`, cut at `cap_s` seconds: a point record (serving_report)."""
+def run_point(engine, requests: list, rate: float, cap_s: float, seed: int,
+              profile_steps=()) -> dict:
+    """One benchmark run at `rate`, cut at `cap_s` seconds: a point record (serving_report).
+    profile_steps: indices of the point's steps whose execute runs under torch.profiler
+    (diagnosis: they run slower); their summaries go in the record's "profiles"."""
     from sparseserve.bench.serve_inprocess import InProcessBackend
     from sparseserve.bench.serve_runner import arrival_offsets, arun_benchmark
 
@@ -129,7 +133,7 @@ def run_point(engine, requests: list, rate: float, cap_s: float, seed: int) -> d
 
     t = time.perf_counter()
     with StepRecorder(engine.executor, engine.config.model.num_hidden_layers,
-                      count_loads=True) as steps:
+                      count_loads=True, profile_steps=profile_steps) as steps:
         r = asyncio.run(go())
     if engine.has_unfinished_requests():  # the shutdown aborts; make sure nothing is left
         engine.abort_request(list(engine._parents))
@@ -148,7 +152,10 @@ def run_point(engine, requests: list, rate: float, cap_s: float, seed: int) -> d
              "kv_cache_hit_rate": sm.get("kv_cache_hit_rate"), "server_metrics": sm,
              "first_error": next((e for e in r.get("errors", []) if e), None),
              "steps": summarize_steps(steps.history, engine.config.model.num_hidden_layers,
-                                      r["duration"])}
+                                      r["duration"]),
+             "profiles": [{"step": i, **{k: h[k] for k in ("decode", "prefill_token_layers",
+                                                           "exec_s", "profile")}}
+                          for i, h in enumerate(steps.history) if "profile" in h]}
     # mean TTFT over every sent request, the time until the cut standing in for a missing one
     ttfts = [(x.ttft if x.ttft is not None else x.latency) for x in backend.results]
     point["mean_ttft_lb_ms"] = 1000 * sum(ttfts) / len(ttfts) if ttfts else None
@@ -210,7 +217,7 @@ def run_preset(a, preset: str, model: str, vocab: int, device: str, dtype: str, 
                                       "skipped": f"time budget ({cap:.0f} s left)"})
                 E.log(deadline, f"  {preset} rate {rate}: skipped (time budget)")
                 continue
-            point = run_point(engine, reqs, rate, cap, a.seed)
+            point = run_point(engine, reqs, rate, cap, a.seed, a.profile_steps)
             rec["points"].append(point)
             _log_point(deadline, preset, point)
             save()
@@ -248,6 +255,9 @@ def parse_args(argv=None):
                    help="P99 TBT SLO (default 25x the dense preset's mean TBT at its lowest rate)")
     p.add_argument("--queue-slo-s", type=float, default=2.0)
     p.add_argument("--time-budget-s", type=float, default=480, help="the whole run")
+    p.add_argument("--profile-steps", type=step_range, default=[], metavar="A:B[,C:D]",
+                   help="step indices of each point run under torch.profiler (diagnosis: they "
+                        "run slower; summaries in the point's 'profiles')")
     p.add_argument("--point-budget-s", type=float, default=None, help="cap of one rate point")
     p.add_argument("--min-point-s", type=float, default=10.0,
                    help="skip a point whose cap would be shorter")

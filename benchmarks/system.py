@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 import engine_bench as E  # noqa: E402
 import numpy as np  # noqa: E402
-from system_run import run_trace  # noqa: E402
+from system_run import run_trace, step_range  # noqa: E402
 
 GiB = 1 << 30
 CONFIGS = {
@@ -183,19 +183,6 @@ def table(result: dict) -> str:
     return out
 
 
-def _step_range(text: str) -> list[int]:
-    """'A:B[,C:D...]' -> the step indices A..B-1, C..D-1, ..."""
-    out: list[int] = []
-    for part in text.split(","):
-        a, _, b = part.partition(":")
-        try:
-            out.extend(range(int(a), int(b)))
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected A:B[,C:D...] (step indices), got {text!r}") from None
-    return out
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     E.add_run_args(p, "JSON result path", list(CONFIGS))
@@ -211,7 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--run-budget-s", type=float, default=200, help="cap of one configuration's run")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (debugging: a device fault then names its kernel)")
-    p.add_argument("--profile-steps", type=_step_range, default=[], metavar="A:B[,C:D]",
+    p.add_argument("--profile-steps", type=step_range, default=[], metavar="A:B[,C:D]",
                    help="run steps A..B-1 of each configuration under torch.profiler and record "
                         "their kernel time, top kernels / CPU ops and blocking CUDA calls "
                         "(diagnosis: those steps run slower)")

@@ -8,7 +8,9 @@ device slots, the admitted working-set estimate. Per request: TTFT, the token ti
 """
 from __future__ import annotations
 
+import argparse
 import time
+from typing import Any, Sequence
 
 import common as C
 import numpy as np
@@ -23,13 +25,17 @@ class StepRecorder:
     outside the timed step). A step much slower than its work shows here why: host-side,
     compiling, or allocating."""
 
-    def __init__(self, runner, num_layers: int, count_loads: bool = False) -> None:
+    def __init__(self, runner, num_layers: int, count_loads: bool = False,
+                 profile_steps: Sequence[int] = ()) -> None:
         self.runner = runner
         self.num_layers = num_layers
         # count_loads: also read the two-tier cache's load counter after each step (one small
         # device read, as the server does after every step) into history's "pages_loaded"
         self.count_loads = count_loads
         self._loaded = None
+        # profile_steps: indices (in this recorder's life) of steps whose execute runs under
+        # torch.profiler; their history entries carry a "profile" summary (`profiled`)
+        self.profile_steps = set(profile_steps)
         self.last: dict = {}
         self.history: list[dict] = []  # per step: decode rows, prefill token-layers, exec_s
         self._original = runner.execute
@@ -48,7 +54,11 @@ class StepRecorder:
                                 for c in pre_chunks]}
         c0 = len(self.compiled)
         t0 = time.perf_counter()
+        prof = None
         try:
+            if len(self.history) in self.profile_steps:
+                result, prof = profiled(lambda: self._original(out))
+                return result
             return self._original(out)
         finally:
             self.last.update(exec_s=time.perf_counter() - t0, compiled=self.compiled[c0:])
@@ -59,6 +69,8 @@ class StepRecorder:
                 entry["pages_loaded"] = loaded - (self._loaded if self._loaded is not None
                                                   else loaded)
                 self._loaded = loaded
+            if prof is not None:
+                entry["profile"] = prof
             self.history.append(entry)
 
     def __enter__(self):
@@ -118,17 +130,32 @@ def _device_allocs() -> int:
     return int(torch.cuda.memory_stats().get("num_device_alloc", 0))
 
 
-def profiled_step(engine, top: int = 12) -> tuple[list, dict]:
-    """engine.step() under torch.profiler (CPU + CUDA); -> (outputs, summary): the step's
-    kernel time (sum of device self time, ms), the `top` kernels / CPU ops by self time, and
-    the calls of host-blocking CUDA APIs (synchronize, malloc, host-to-device copies)."""
+def step_range(text: str) -> list[int]:
+    """'A:B[,C:D...]' -> the step indices A..B-1, C..D-1, ... (argparse type of --profile-steps)."""
+    out: list[int] = []
+    for part in text.split(","):
+        a, _, b = part.partition(":")
+        try:
+            out.extend(range(int(a), int(b)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected A:B[,C:D...] (step indices), got {text!r}") from None
+    return out
+
+
+def profiled(fn, top: int = 12) -> tuple[Any, dict]:
+    """fn() under torch.profiler (CPU + CUDA); -> (its result, summary): the kernel time (sum
+    of device self time, ms), the `top` kernels / CPU ops by self time, and the calls of
+    host-blocking CUDA APIs (synchronize, malloc, host-to-device copies)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    t0 = time.perf_counter()
     with profile(activities=acts) as prof:
-        outs = engine.step()
+        result = fn()
         C.synchronize("cuda" if torch.cuda.is_available() else "cpu")
+    wall_ms = 1e3 * (time.perf_counter() - t0)
     ev = prof.key_averages()
     dev_us = lambda e: getattr(e, "self_device_time_total", 0) or 0  # noqa: E731
     # device-side events only (kernels, memcpys): aten ops report their kernels' time too
@@ -137,13 +164,19 @@ def profiled_step(engine, top: int = 12) -> tuple[list, dict]:
     cpu = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)
     api = {e.key: [e.count, round(e.cpu_time_total / 1e3, 2)] for e in ev
            if any(w in e.key for w in ("Synchronize", "Malloc", "Free", "HostRegister"))}
-    return outs, {
+    return result, {
+        "wall_ms": round(wall_ms, 2),
         "kernel_ms": round(sum(dev_us(e) for e in kernels) / 1e3, 2),
         "kernels": sum(e.count for e in kernels),
         "top_kernels": [[e.key[:80], e.count, round(dev_us(e) / 1e3, 2)] for e in kernels[:top]],
         "top_cpu": [[e.key[:80], e.count, round(e.self_cpu_time_total / 1e3, 2)]
                     for e in cpu[:top]],
         "blocking_api": api}
+
+
+def profiled_step(engine, top: int = 12) -> tuple[list, dict]:
+    """engine.step() under torch.profiler: `profiled`."""
+    return profiled(engine.step, top)
 
 
 def run_trace(engine, trace: list[dict], device: str, stop_at: float,

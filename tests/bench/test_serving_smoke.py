@@ -85,8 +85,11 @@ def test_point_cut_at_cap_leaves_engine_clean():
         # the engine serves the next point normally
         short = build_requests("random", 3, 1, vocab_size=vocab, random_input_len=32,
                                random_output_len=4, max_model_len=a.max_model_len)
-        q = S.run_point(engine, short, 50.0, 60, 0)
+        q = S.run_point(engine, short, 50.0, 60, 0, profile_steps=(0, 2))
         assert q["completed"] == 3 and not q["truncated"] and q["not_sent_after_cap"] == 0
+        # the chosen steps ran under the profiler: their summaries, and only theirs
+        assert [x["step"] for x in q["profiles"]] == [0, 2]
+        assert all(x["profile"]["wall_ms"] > 0 and x["profile"]["top_cpu"] for x in q["profiles"])
         # requests that would arrive after the cap are not sent, and the point is marked
         many = build_requests("random", 10, 2, vocab_size=vocab, random_input_len=16,
                               random_output_len=2, max_model_len=a.max_model_len)
