@@ -33,36 +33,46 @@ def _gpu_direct_kernel(
     s_kt, s_kh, s_vt, s_vh, s_hkp, s_hkt, s_hvp, s_hvt, s_pt, s_ph, s_ot, s_oh,
     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
+    # program (i, h) moves token blocks i, i + G, i + 2G, ... of KV head h (G = grid width):
+    # one block per program when the grid covers T, a loop when the grid is capped
     h = tl.program_id(1).to(tl.int64)
-    t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < T
-    page = tl.load(pages_ptr + t * s_pt + h * s_ph, mask=t_ok, other=-1).to(tl.int64)
-    off = tl.load(offs_ptr + t * s_ot + h * s_oh, mask=t_ok, other=0).to(tl.int64)
-    live = t_ok & (page >= 0)
-    tl.device_assert(~live | (page < P), "gpu_direct: page out of range")
-    page = tl.maximum(page, 0)
     d = tl.arange(0, BLOCK_D)
-    m = live[:, None] & (d < D)[None, :]
-    k = tl.load(k_ptr + t[:, None] * s_kt + h * s_kh + d[None, :], mask=m)
-    tl.store(hk_ptr + page[:, None] * s_hkp + off[:, None] * s_hkt + d[None, :], k, mask=m)
-    v = tl.load(v_ptr + t[:, None] * s_vt + h * s_vh + d[None, :], mask=m)
-    tl.store(hv_ptr + page[:, None] * s_hvp + off[:, None] * s_hvt + d[None, :], v, mask=m)
+    for blk in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
+        t = (blk * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # T < 2**31: no overflow
+        t_ok = t < T
+        page = tl.load(pages_ptr + t * s_pt + h * s_ph, mask=t_ok, other=-1).to(tl.int64)
+        off = tl.load(offs_ptr + t * s_ot + h * s_oh, mask=t_ok, other=0).to(tl.int64)
+        live = t_ok & (page >= 0)
+        tl.device_assert(~live | (page < P), "gpu_direct: page out of range")
+        page = tl.maximum(page, 0)
+        m = live[:, None] & (d < D)[None, :]
+        k = tl.load(k_ptr + t[:, None] * s_kt + h * s_kh + d[None, :], mask=m)
+        tl.store(hk_ptr + page[:, None] * s_hkp + off[:, None] * s_hkt + d[None, :], k, mask=m)
+        v = tl.load(v_ptr + t[:, None] * s_vt + h * s_vh + d[None, :], mask=m)
+        tl.store(hv_ptr + page[:, None] * s_hvp + off[:, None] * s_hvt + d[None, :], v, mask=m)
 
 
 def gpu_direct_save(host_k, host_v, k_new, v_new, pages, offsets, *, block_t: int = 16,
-                    num_warps: int = 4) -> None:
+                    num_warps: int = 4, max_programs: int | None = None) -> None:
     """host[pages[t, h], offsets[t, h]] = new[t, h] for K and V, rows with page < 0 skipped.
 
     host_k/host_v [P, page_size, D] (pinned on a GPU), k_new/v_new [T, Hkv, D] (last dim
     contiguous), pages/offsets [T, Hkv] int32/int64 tensors on k_new's device (broadcast views
-    are fine). No range checks, no host sync; current stream."""
+    are fine). No range checks, no host sync; current stream.
+    max_programs: cap on the programs launched (about; at least one per KV head), each then
+    looping over token blocks. None: one program per (token block, head). A save of a long
+    prompt's layer is ~65k programs, which fill every SM until they drain over PCIe; a capped
+    grid leaves the other SMs to the compute that the side-stream save overlaps
+    (benchmarks/save_overlap.py measures both)."""
     T, H, D = k_new.shape
     if T == 0:
         return
     hk, hv, k, v = (bits_view(x) for x in (host_k, host_v, k_new, v_new))
     assert k.stride(2) == 1 and v.stride(2) == 1 and hk.stride(2) == 1 and hv.stride(2) == 1
-    grid = (triton.cdiv(T, block_t), H)
+    blocks = triton.cdiv(T, block_t)
+    if max_programs is not None:
+        blocks = min(blocks, max(1, max_programs // H))
+    grid = (blocks, H)
     args = (k, v, hk, hv, pages, offsets, T, hk.shape[0],
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             hk.stride(0), hk.stride(1), hv.stride(0), hv.stride(1),
@@ -92,11 +102,14 @@ class GpuDirectSaver(EventTicketSaver):
     "torch". The page ids / offsets travel to the device with the save (a small copy)."""
 
     def __init__(self, host_k_layers, host_v_layers, backend: str | None = None,
-                 validate: bool = True, side_stream: bool = True) -> None:
+                 validate: bool = True, side_stream: bool = True,
+                 max_programs: int | None = None) -> None:
         """side_stream: on CUDA, write from a side stream ordered after the compute stream's
-        work so far (the save overlaps compute; its ticket's event is recorded there)."""
+        work so far (the save overlaps compute; its ticket's event is recorded there).
+        max_programs: the Triton kernel's grid cap (`gpu_direct_save`)."""
         super().__init__()
         self.side_stream = side_stream
+        self.max_programs = max_programs
         self._side: dict = {}  # device -> side stream
         if len(host_k_layers) != len(host_v_layers):
             raise ValueError("host_k_layers and host_v_layers differ in length")
@@ -131,7 +144,7 @@ class GpuDirectSaver(EventTicketSaver):
             if backend == "auto":
                 backend = "triton" if dev.type == "cuda" else "torch"
             if backend == "triton":
-                gpu_direct_save(hk, hv, a.k, a.v, pages, offs)
+                gpu_direct_save(hk, hv, a.k, a.v, pages, offs, max_programs=self.max_programs)
             else:
                 _torch_save(hk, hv, a.k, a.v, pages, offs)
             event = None
