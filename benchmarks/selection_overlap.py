@@ -74,6 +74,29 @@ def overlap_stats(sets: dict, window: int, kept: int, min_pages: int) -> dict:
     return mean
 
 
+def window_sweep(sets: dict, windows: list[int], min_pages: int) -> dict:
+    """For each window w: the share of a step's selected pages that the previous w steps
+    selected (what a device cache holding each head's last-w-step working set serves), and the
+    size of that working set, |S_t ∪ S_{t-1} ∪ ... ∪ S_{t-w}|, as a multiple of |S_t| (the
+    slots it costs against the token budget). Over steps t >= w only, so every sample has a
+    full window; selections with fewer than min_pages pages are skipped."""
+    out = {}
+    for w in windows:
+        reuse, size = [], []
+        for seq in sets.values():
+            for t in range(w, len(seq)):
+                cur = seq[t]
+                if len(cur) < min_pages:
+                    continue
+                past = frozenset().union(*seq[t - w:t])
+                reuse.append(len(cur & past) / len(cur))
+                size.append(len(cur | past) / len(cur))
+        out[str(w)] = {"samples": len(reuse),
+                       "reuse": sum(reuse) / len(reuse) if reuse else None,
+                       "working_set_x_selection": sum(size) / len(size) if size else None}
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", required=True, help="JSON result path")
@@ -87,6 +110,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-texts", type=int, default=2)
     p.add_argument("--decode-steps", type=int, default=48)
     p.add_argument("--window", type=int, default=12, help="working-set window (steps)")
+    p.add_argument("--windows", default="1,2,4,8,12,24",
+                   help="window sweep: reuse and working-set size per window (steps)")
     p.add_argument("--smoke", action="store_true", help="a tiny random model, short run")
     args = p.parse_args(argv)
 
@@ -127,9 +152,11 @@ def main(argv=None) -> int:
         budget_pages = sc.token_budget // page
         stats = overlap_stats(rec.sets, args.window, (sc.sink_pages, sc.local_pages),
                               min_pages=budget_pages)
+        windows = [int(w) for w in args.windows.split(",")]
         result["runs"][algo] = {"texts": names, "budget_pages": budget_pages,
                                 "sink_pages": sc.sink_pages, "local_pages": sc.local_pages,
-                                **stats}
+                                **stats, "window_sweep": window_sweep(rec.sets, windows,
+                                                                      budget_pages)}
         C.write_json(args.out, result)
         del llm
     fig_path = os.path.splitext(args.out)[0] + ".png"
@@ -151,6 +178,13 @@ def main(argv=None) -> int:
              C.fmt(100 * r.get("window_chosen", 0))] for a, r in result["runs"].items()]
     print(C.table(["algorithm", "samples", "overlap % all", "overlap % chosen",
                    f"in last {args.window} % all", f"in last {args.window} % chosen"], rows))
+    sweep = [[a, w, x["samples"], C.fmt(100 * x["reuse"]) if x["reuse"] is not None else "-",
+              C.fmt(x["working_set_x_selection"], 2)
+              if x["working_set_x_selection"] is not None else "-"]
+             for a, r in result["runs"].items() for w, x in r["window_sweep"].items()]
+    print("\nwindow sweep (reuse = selected pages found in the previous w steps' union; "
+          "working set = that union with the step's, x the selection size)")
+    print(C.table(["algorithm", "window", "samples", "reuse %", "working set x"], sweep))
     return 0
 
 

@@ -10,7 +10,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from selection_overlap import overlap_stats  # noqa: E402
+from selection_overlap import overlap_stats, window_sweep  # noqa: E402
 
 
 def test_overlap_stats_by_hand():
@@ -29,10 +29,22 @@ def test_overlap_stats_by_hand():
     assert overlap_stats({(0, 0, 0): seq}, 2, (1, 1), min_pages=5)["samples"] == 0
 
 
+def test_window_sweep_by_hand():
+    seq = [frozenset({0, 5, 6, 9}), frozenset({0, 5, 7, 9}), frozenset({0, 6, 8, 9})]
+    s = window_sweep({(0, 0, 0): seq}, [1, 2, 3], min_pages=4)
+    # w = 1: step 1 finds 0, 5, 9 (union of 5 pages), step 2 finds 0, 9 (union of 6)
+    assert s["1"] == {"samples": 2, "reuse": pytest.approx((3 / 4 + 2 / 4) / 2),
+                      "working_set_x_selection": pytest.approx((5 / 4 + 6 / 4) / 2)}
+    # w = 2: only step 2 has a full window: 0, 6, 9 of {0, 5, 6, 7, 9}; union of 6 pages
+    assert s["2"] == {"samples": 1, "reuse": pytest.approx(3 / 4),
+                      "working_set_x_selection": pytest.approx(6 / 4)}
+    assert s["3"] == {"samples": 0, "reuse": None, "working_set_x_selection": None}
+
+
 def test_smoke_run(tmp_path):
     out = tmp_path / "o.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "selection_overlap.py"),
-                           "--smoke", "--out", str(out)],
+                           "--smoke", "--windows", "1,2,4", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -44,4 +56,10 @@ def test_smoke_run(tmp_path):
         # what was selected in the last w steps includes what the last step selected
         assert run["window_all"] >= run["overlap_all"] - 1e-9
         assert run["window_chosen"] >= run["overlap_chosen"] - 1e-9
-    assert "overlap % all" in proc.stdout.splitlines()[-4]  # the table is printed last
+        # a longer window finds at least as much, and costs at least as many slots
+        sw = [run["window_sweep"][w] for w in ("1", "2", "4")]
+        assert all(x["samples"] > 0 for x in sw)
+        assert sw[0]["reuse"] == pytest.approx(run["overlap_all"])  # the same steps
+        assert all(1.0 <= x["working_set_x_selection"] for x in sw)
+        assert sw[0]["working_set_x_selection"] <= sw[2]["working_set_x_selection"]
+    assert "overlap % all" in proc.stdout and "working set x" in proc.stdout.splitlines()[-8]
