@@ -8,8 +8,10 @@ chunks instead, and the result says so (`usage_source: "chunks"`): a chunk can c
 than one token, so that count is a lower bound.
 
 A token-carrying event is a chunk with non-empty text (completions: `text`, chat:
-`delta.content`) or with a finish reason (the last token may decode to no text). The chat
-endpoint's opening chunk (`role: assistant`, empty content) carries no token.
+`delta.content`), with logprob entries (token-id prompts ask for `logprobs: 0`: a model
+served without a tokenizer streams no text), or with a finish reason (the last token may
+decode to no text). The chat endpoint's opening chunk (`role: assistant`, empty content)
+carries no token.
 """
 from __future__ import annotations
 
@@ -111,6 +113,11 @@ class HTTPBackend:
         else:
             body["prompt"] = req.prompt if req.prompt is not None else req.prompt_token_ids
             body["max_tokens"] = req.output_len
+            if req.prompt is None:
+                # token-id prompts: the model may have no tokenizer, and then every text delta
+                # is empty; the sampled token's logprob entry (`<id>`) makes each new token
+                # arrive in a chunk of its own, which TTFT and ITL are measured from
+                body.setdefault("logprobs", 0)
         return body
 
     async def send(self, req: BenchRequest) -> RequestResult:
@@ -145,7 +152,8 @@ class HTTPBackend:
                         usage = obj["usage"]
                     for choice in obj.get("choices") or []:
                         text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
-                        if not text and choice.get("finish_reason") is None:
+                        lp = choice.get("logprobs") or {}
+                        if not text and not lp.get("tokens") and choice.get("finish_reason") is None:
                             continue
                         texts.append(text or "")
                         finish = choice.get("finish_reason") or finish
