@@ -56,6 +56,8 @@ def engine_args(a, preset: str, device: str, dtype: str) -> dict:
         kw["kv_offloading_size"] = a.host_gib
         if a.d2h_method is not None:
             kw["d2h_method"] = a.d2h_method
+        if a.working_set_window is not None and preset == "sparseserve":
+            kw["working_set_window"] = a.working_set_window  # the preset with batch control
     return kw
 
 
@@ -239,6 +241,9 @@ def parse_args(argv=None):
     p.add_argument("--presets", default=None, help="alias of --only (run in this order)")
     p.add_argument("--d2h-method", default=None, choices=["flash", "gpu-direct"],
                    help="prefill saves of the offloaded presets (default: the preset's)")
+    p.add_argument("--working-set-window", type=int, default=None,
+                   help="decode steps of the working-set window of `sparseserve` (the preset with "
+                        "working-set control; the engine default when unset)")
     p.add_argument("--rates", default="0.5,1,2,inf", help="comma list of request rates (req/s; inf)")
     p.add_argument("--dataset-name", default="longbench", choices=["longbench", "random"])
     p.add_argument("--num-prompts", type=int, default=24)
