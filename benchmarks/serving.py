@@ -1,4 +1,4 @@
-"""SparseServe's serving evaluation (Figures 10–12): for each preset, one engine, then a sweep
+"""SparseServe's serving evaluation (Figures 10–13): for each preset, one engine, then a sweep
 of request rates through `sparseserve bench serve`'s benchmark loop (in-process backend:
 AsyncLLMEngine without HTTP, the same metric code as the HTTP path); mean TTFT, output
 throughput and mean TBT (ITL) against the rate, goodput (the highest rate whose P99 TBT and
@@ -9,6 +9,9 @@ in the same run (definitions: serving_report.py).
   # docs/results/serving.md); presets run in the order given, the table lists dense first
   python benchmarks/serving.py --out $OUT/serving_lwm7b.json --model lwm-7b \
       --presets sparseserve,dense --rates 0.5,1,2,inf --num-prompts 24 --time-budget-s 480
+  # Figure 13's ladder (one rung per configuration; --presets lists them in order)
+  python benchmarks/serving.py --out $OUT/ladder.json --model lwm-7b --rates 2 \
+      --presets sparse,sparse-offload,sparse-offload+ft,sparse-offload+ft+wc,sparse-offload+ft+wc+lp
   python benchmarks/serving.py --out /tmp/serving.json --smoke        # tiny model on the CPU
 
 Time: the run ends within --time-budget-s. Each preset gets an equal share of what is left
@@ -39,25 +42,40 @@ from system_run import step_range  # noqa: E402
 
 GiB = 1 << 30
 PRESETS = ("dense", "sparse", "sparse-offload", "sparseserve")
+# SparseServe's ablation ladder (Figure 13): each rung adds one technique to the rung before.
+# SA = sparse, +Offload = sparse-offload (per-page copies, LRU), +FT (FlashH2D, GPU-direct
+# saves), +WC (working-set-aware batch control), +LP (layer-segmented prefill); the sparseserve
+# preset then differs from +LP only by Spin's category LRU. name -> (preset, overrides)
+_FT = dict(h2d_method="flash", d2h_method="gpu-direct")
+LADDER = {
+    "sparse-offload+ft": ("sparse-offload", _FT),
+    "sparse-offload+ft+wc": ("sparse-offload", {**_FT, "working_set_control": True}),
+    "sparse-offload+ft+wc+lp": ("sparse-offload", {**_FT, "working_set_control": True,
+                                                   "layer_segmented_prefill": True}),
+}
+CONFIGS = {**{name: (name, {}) for name in PRESETS}, **LADDER}
 POINT_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput",
               "total_output_tokens", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
               "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_tpot_ms", "mean_e2el_ms",
               "p99_e2el_ms")
 
 
-def engine_args(a, preset: str, device: str, dtype: str) -> dict:
+def engine_args(a, name: str, device: str, dtype: str) -> dict:
+    """EngineArgs keywords of configuration `name` (a preset or a ladder step, CONFIGS)."""
+    preset, overrides = CONFIGS[name]
     kw = dict(load_format="dummy", dtype=dtype, device=device, seed=a.seed, preset=preset,
               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens,
               kv_cache_memory_bytes=int(a.kv_cache_gib * GiB))
     if preset != "dense":
         kw["token_budget"] = a.token_budget
+    kw.update(overrides)
     if preset in ("sparse-offload", "sparseserve"):
         kw["kv_offloading_size"] = a.host_gib
         if a.d2h_method is not None:
             kw["d2h_method"] = a.d2h_method
-        if a.working_set_window is not None and preset == "sparseserve":
-            kw["working_set_window"] = a.working_set_window  # the preset with batch control
+    if a.working_set_window is not None and kw.get("working_set_control", preset == "sparseserve"):
+        kw["working_set_window"] = a.working_set_window  # configurations with batch control
     return kw
 
 
@@ -237,7 +255,8 @@ def run_preset(a, preset: str, model: str, vocab: int, device: str, dtype: str, 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    E.add_run_args(p, "JSON result path (the figure goes next to it, .png)", list(PRESETS))
+    E.add_run_args(p, "JSON result path (the figure goes next to it, .png)", list(CONFIGS))
+    p.set_defaults(only=",".join(PRESETS))  # the ladder's intermediate rungs when asked for
     p.add_argument("--presets", default=None, help="alias of --only (run in this order)")
     p.add_argument("--d2h-method", default=None, choices=["flash", "gpu-direct"],
                    help="prefill saves of the offloaded presets (default: the preset's)")
@@ -272,7 +291,7 @@ def parse_args(argv=None):
                    help="prompt lengths of the warm-up requests")
     p.add_argument("--warmup-max-tokens", type=int, default=40)
     a = p.parse_args(argv)
-    a.names = E.parse_parts(a.presets or a.only, list(PRESETS))
+    a.names = E.parse_parts(a.presets or a.only, list(CONFIGS))
     a.rates = [float(x) for x in E.split_list(a.rates)]
     if a.smoke:
         a.dataset_name, a.num_prompts = "random", 6

@@ -147,3 +147,26 @@ def test_documented_gpu_command_is_the_lwm7b_setup():
         if preset == "sparseserve":
             assert cfg.scheduler.working_set_control and cfg.scheduler.max_inject_tokens
             assert cfg.cache.num_host_pages * cfg.cache.page_size >= 128 * 1024  # tokens
+
+
+def test_ladder_rungs_run(tmp_path):
+    """Figure 13's intermediate rungs: each builds with its overrides over sparse-offload and
+    completes every request; --working-set-window reaches only the rungs with batch control."""
+    out = tmp_path / "ladder.json"
+    names = ["sparse-offload+ft", "sparse-offload+ft+wc", "sparse-offload+ft+wc+lp"]
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "serving.py"),
+                           "--smoke", "--out", str(out), "--rates", "inf",
+                           "--working-set-window", "5", "--presets", ",".join(names)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["errors"] == [] and list(r["presets"]) == names
+    for name in names:
+        kw = r["presets"][name]["engine_args"]
+        assert kw["preset"] == "sparse-offload"
+        assert (kw["h2d_method"], kw["d2h_method"]) == ("flash", "gpu-direct")
+        assert kw.get("working_set_control") is (True if "+wc" in name else None)
+        assert kw.get("layer_segmented_prefill") is (True if "+lp" in name else None)
+        assert kw.get("working_set_window") == (5 if "+wc" in name else None)
+        (p,) = r["presets"][name]["points"]
+        assert p["completed"] == r["settings"]["num_prompts"] and not p["truncated"]
