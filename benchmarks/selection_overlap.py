@@ -30,19 +30,41 @@ import common as C  # noqa: E402
 
 class SelectionRecorder:
     """on_select hook: per (batch row, layer, KV head) the list of selected logical-page sets,
-    one per decode step."""
+    one per decode step; with `margin` > 0 also the next `margin` pages by the algorithm's own
+    score below the selection's cutoff (the pages a lookahead prefetch would fetch)."""
 
-    def __init__(self) -> None:
+    def __init__(self, margin: int = 0) -> None:
         self.sets: dict[tuple[int, int, int], list[frozenset]] = defaultdict(list)
+        self.margin = margin
+        self.next_pages: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
 
     def __call__(self, layer, q, sel, ctx) -> None:
+        import torch
+
         rows = ctx.dec_rows.tolist()
         blocks = sel.blocks.cpu()  # [B, Hkv, K] logical page indices
         num = sel.num_pages.cpu()  # [B, Hkv] entries in use
+        ranked = None
+        if self.margin:
+            algo = ctx.sparse.algorithm
+            scores = algo.score(q, ctx.dec_page_table, ctx.dec_num_pages, ctx.dec_last_len,
+                                ctx.sparse.summaries[layer], ctx.kv.k[layer])  # [B, Hkv, W]
+            taken = torch.zeros_like(scores, dtype=torch.bool).scatter_(2, sel.blocks, True)
+            W = scores.shape[-1]
+            n = ctx.dec_num_pages.long().unsqueeze(-1)
+            real = torch.arange(W, device=scores.device).view(1, 1, W) < n
+            # the best-scored pages the selection left out, best first
+            scores = scores.float().masked_fill(taken | ~real, float("-inf"))
+            k = min(self.margin, W)
+            vals, idx = scores.topk(k, dim=-1)
+            ranked = torch.where(vals > float("-inf"), idx, -1).cpu()
         for b, row in enumerate(rows):
             for h in range(blocks.shape[1]):
                 n = int(num[b, h])
                 self.sets[(row, layer, h)].append(frozenset(blocks[b, h, :n].tolist()))
+                if ranked is not None:
+                    self.next_pages[(row, layer, h)].append(
+                        tuple(x for x in ranked[b, h].tolist() if x >= 0))
 
 
 def overlap_stats(sets: dict, window: int, kept: int, min_pages: int) -> dict:
@@ -97,6 +119,32 @@ def window_sweep(sets: dict, windows: list[int], min_pages: int) -> dict:
     return out
 
 
+def margin_sweep(sets: dict, next_pages: dict, window: int, margins: list[int],
+                 min_pages: int) -> dict:
+    """For each margin m: a cache holding the last `window` steps' selections plus the m
+    best-scored pages each step left out (what a lookahead prefetch would load during step t-1)
+    — the share of step t's selected pages it holds, and its size as a multiple of |S_t|.
+    m = 0 is the plain window. Over steps t >= window; small selections skipped."""
+    out = {}
+    for m in margins:
+        reuse, size = [], []
+        for key, seq in sets.items():
+            ahead = next_pages.get(key, [])
+            for t in range(window, len(seq)):
+                cur = seq[t]
+                if len(cur) < min_pages:
+                    continue
+                held = frozenset().union(*seq[t - window:t])
+                if m and t - 1 < len(ahead):
+                    held = held | frozenset(ahead[t - 1][:m])
+                reuse.append(len(cur & held) / len(cur))
+                size.append(len(cur | held) / len(cur))
+        out[str(m)] = {"samples": len(reuse),
+                       "reuse": sum(reuse) / len(reuse) if reuse else None,
+                       "working_set_x_selection": sum(size) / len(size) if size else None}
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", required=True, help="JSON result path")
@@ -112,6 +160,9 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=12, help="working-set window (steps)")
     p.add_argument("--windows", default="1,2,4,8,12,24",
                    help="window sweep: reuse and working-set size per window (steps)")
+    p.add_argument("--margins", default="",
+                   help="lookahead sweep at --window: also hold the m best-scored pages each "
+                        "step left out (comma list of m; empty: skip)")
     p.add_argument("--smoke", action="store_true", help="a tiny random model, short run")
     args = p.parse_args(argv)
 
@@ -144,7 +195,8 @@ def main(argv=None) -> int:
         else:
             texts = load_texts(llm.get_tokenizer(), args.context, args.num_texts, KINDS)
             prompts, names = [t.token_ids for t in texts], [t.name for t in texts]
-        rec = SelectionRecorder()
+        margins = [int(m) for m in args.margins.split(",") if m.strip()]
+        rec = SelectionRecorder(max(margins, default=0))
         params = SamplingParams(temperature=0.0, max_tokens=args.decode_steps, ignore_eos=True)
         with llm.engine.runner.hooked(on_select=rec):
             llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
@@ -157,6 +209,9 @@ def main(argv=None) -> int:
                                 "sink_pages": sc.sink_pages, "local_pages": sc.local_pages,
                                 **stats, "window_sweep": window_sweep(rec.sets, windows,
                                                                       budget_pages)}
+        if margins:
+            result["runs"][algo]["margin_sweep"] = margin_sweep(
+                rec.sets, rec.next_pages, args.window, [0] + margins, budget_pages)
         C.write_json(args.out, result)
         del llm
     fig_path = os.path.splitext(args.out)[0] + ".png"
@@ -185,6 +240,14 @@ def main(argv=None) -> int:
     print("\nwindow sweep (reuse = selected pages found in the previous w steps' union; "
           "working set = that union with the step's, x the selection size)")
     print(C.table(["algorithm", "window", "samples", "reuse %", "working set x"], sweep))
+    ms = [[a, m, x["samples"], C.fmt(100 * x["reuse"]) if x["reuse"] is not None else "-",
+           C.fmt(x["working_set_x_selection"], 2)
+           if x["working_set_x_selection"] is not None else "-"]
+          for a, r in result["runs"].items() for m, x in r.get("margin_sweep", {}).items()]
+    if ms:
+        print(f"\nlookahead sweep at window {args.window} (the m best-scored pages each step "
+              "left out, held too)")
+        print(C.table(["algorithm", "margin", "samples", "reuse %", "working set x"], ms))
     return 0
 
 
