@@ -96,27 +96,31 @@ def overlap_stats(sets: dict, window: int, kept: int, min_pages: int) -> dict:
     return mean
 
 
+def _held_stats(sets: dict, start: int, held, min_pages: int) -> dict:
+    """Mean share of step t's selected pages in held(key, seq, t) and mean size of
+    (selection ∪ held) / |selection|, over steps t >= start of every (row, layer, head);
+    selections with fewer than min_pages pages skipped."""
+    reuse, size = [], []
+    for key, seq in sets.items():
+        for t in range(start, len(seq)):
+            cur = seq[t]
+            if len(cur) < min_pages:
+                continue
+            h = held(key, seq, t)
+            reuse.append(len(cur & h) / len(cur))
+            size.append(len(cur | h) / len(cur))
+    return {"samples": len(reuse), "reuse": sum(reuse) / len(reuse) if reuse else None,
+            "working_set_x_selection": sum(size) / len(size) if size else None}
+
+
 def window_sweep(sets: dict, windows: list[int], min_pages: int) -> dict:
     """For each window w: the share of a step's selected pages that the previous w steps
     selected (what a device cache holding each head's last-w-step working set serves), and the
     size of that working set, |S_t ∪ S_{t-1} ∪ ... ∪ S_{t-w}|, as a multiple of |S_t| (the
     slots it costs against the token budget). Over steps t >= w only, so every sample has a
     full window; selections with fewer than min_pages pages are skipped."""
-    out = {}
-    for w in windows:
-        reuse, size = [], []
-        for seq in sets.values():
-            for t in range(w, len(seq)):
-                cur = seq[t]
-                if len(cur) < min_pages:
-                    continue
-                past = frozenset().union(*seq[t - w:t])
-                reuse.append(len(cur & past) / len(cur))
-                size.append(len(cur | past) / len(cur))
-        out[str(w)] = {"samples": len(reuse),
-                       "reuse": sum(reuse) / len(reuse) if reuse else None,
-                       "working_set_x_selection": sum(size) / len(size) if size else None}
-    return out
+    return {str(w): _held_stats(sets, w, lambda key, seq, t, w=w: frozenset().union(*seq[t - w:t]),
+                                min_pages) for w in windows}
 
 
 def margin_sweep(sets: dict, next_pages: dict, window: int, margins: list[int],
@@ -125,24 +129,12 @@ def margin_sweep(sets: dict, next_pages: dict, window: int, margins: list[int],
     best-scored pages each step left out (what a lookahead prefetch would load during step t-1)
     — the share of step t's selected pages it holds, and its size as a multiple of |S_t|.
     m = 0 is the plain window. Over steps t >= window; small selections skipped."""
-    out = {}
-    for m in margins:
-        reuse, size = [], []
-        for key, seq in sets.items():
-            ahead = next_pages.get(key, [])
-            for t in range(window, len(seq)):
-                cur = seq[t]
-                if len(cur) < min_pages:
-                    continue
-                held = frozenset().union(*seq[t - window:t])
-                if m and t - 1 < len(ahead):
-                    held = held | frozenset(ahead[t - 1][:m])
-                reuse.append(len(cur & held) / len(cur))
-                size.append(len(cur | held) / len(cur))
-        out[str(m)] = {"samples": len(reuse),
-                       "reuse": sum(reuse) / len(reuse) if reuse else None,
-                       "working_set_x_selection": sum(size) / len(size) if size else None}
-    return out
+    def held(key, seq, t, m):
+        past = frozenset().union(*seq[t - window:t])
+        ahead = next_pages.get(key, [])
+        return past | frozenset(ahead[t - 1][:m]) if m and t - 1 < len(ahead) else past
+    return {str(m): _held_stats(sets, window, lambda key, seq, t, m=m: held(key, seq, t, m),
+                                min_pages) for m in margins}
 
 
 def main(argv=None) -> int:

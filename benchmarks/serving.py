@@ -253,6 +253,20 @@ def run_preset(a, preset: str, model: str, vocab: int, device: str, dtype: str, 
         save()
 
 
+def add_workload_args(p) -> None:
+    """The workload and engine-shape arguments serving.py and serving_http.py share."""
+    p.add_argument("--dataset-name", default="longbench", choices=["longbench", "random"])
+    p.add_argument("--max-input-len", type=int, default=32768, help="the paper's cap for LWM-7B")
+    p.add_argument("--max-model-len", type=int, default=33792)
+    p.add_argument("--random-input-len", type=int, default=8192)
+    p.add_argument("--random-output-len", type=int, default=256)
+    p.add_argument("--kv-cache-gib", type=float, default=20, help="device KV budget (GiB)")
+    p.add_argument("--host-gib", type=float, default=72, help="host tier (GiB of pinned DRAM)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--token-budget", type=int, default=2048)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     E.add_run_args(p, "JSON result path (the figure goes next to it, .png)", list(CONFIGS))
@@ -264,17 +278,8 @@ def parse_args(argv=None):
                    help="decode steps of the working-set window of `sparseserve` (the preset with "
                         "working-set control; the engine default when unset)")
     p.add_argument("--rates", default="0.5,1,2,inf", help="comma list of request rates (req/s; inf)")
-    p.add_argument("--dataset-name", default="longbench", choices=["longbench", "random"])
     p.add_argument("--num-prompts", type=int, default=24)
-    p.add_argument("--max-input-len", type=int, default=32768, help="the paper's cap for LWM-7B")
-    p.add_argument("--max-model-len", type=int, default=33792)
-    p.add_argument("--random-input-len", type=int, default=8192)
-    p.add_argument("--random-output-len", type=int, default=256)
-    p.add_argument("--kv-cache-gib", type=float, default=20, help="device KV budget (GiB)")
-    p.add_argument("--host-gib", type=float, default=72, help="host tier (GiB of pinned DRAM)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--token-budget", type=int, default=2048)
+    add_workload_args(p)
     p.add_argument("--tbt-slo-ms", type=float, default=None,
                    help="P99 TBT SLO (default 25x the dense preset's mean TBT at its lowest rate)")
     p.add_argument("--queue-slo-s", type=float, default=2.0)

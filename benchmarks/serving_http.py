@@ -28,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import common as C  # noqa: E402
+from serving import add_workload_args  # noqa: E402
 
 GiB = 1 << 30
 KEYS = ("completed", "failed", "duration", "output_throughput", "mean_ttft_ms", "mean_itl_ms",
@@ -131,18 +132,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="lwm-7b")
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--presets", default="sparseserve,dense")
-    p.add_argument("--dataset-name", default="longbench", choices=["longbench", "random"])
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--request-rate", default="2", help="req/s (Poisson) or inf")
-    p.add_argument("--max-input-len", type=int, default=32768)
-    p.add_argument("--max-model-len", type=int, default=33792)
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=64)
-    p.add_argument("--kv-cache-gib", type=float, default=20)
-    p.add_argument("--host-gib", type=float, default=72)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--token-budget", type=int, default=2048)
+    add_workload_args(p)  # the same workload and engine shape as serving.py
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout-s", type=float, default=240)
     p.add_argument("--smoke", action="store_true", help="tiny dummy model on the CPU")
