@@ -346,6 +346,9 @@ def main(argv=None) -> int:
     result["comparison"] = R.compare(result)
     try:
         result["figure"] = R.plots(result, os.path.splitext(a.out)[0] + ".png")
+        ladder = R.ladder_plots(result, os.path.splitext(a.out)[0] + "_ladder.png")
+        if ladder is not None:
+            result["ladder_figure"] = ladder
     except Exception as exc:  # noqa: BLE001 - a missing plot must not lose the numbers
         E.fail(deadline, result, "plots", exc)
     E.finish(deadline, result, save, a.out, R.table)

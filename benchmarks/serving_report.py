@@ -30,7 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
 TARGETS = {"throughput_x": 3.14, "ttft_x_lower": 9.26}  # SparseServe on LWM-7B (the issue)
-ORDER = ("dense", "sparse", "sparse-offload", "sparseserve")
+# SparseServe's ablation ladder (Figure 13), SA first; serving.py's LADDER names the middle rungs
+LADDER_ORDER = ("sparse", "sparse-offload", "sparse-offload+ft", "sparse-offload+ft+wc",
+                "sparse-offload+ft+wc+lp", "sparseserve")
+ORDER = ("dense",) + LADDER_ORDER
 
 
 def rate_value(rate) -> float:
@@ -175,6 +178,46 @@ def plots(result: dict, path: str) -> str:
         ax.set_xlabel(f"request rate (req/s; inf drawn at {inf_x:g})")
         ax.set_ylabel(title)
         ax.legend(fontsize=8)
+    return C.save_figure(fig, path)
+
+
+def ladder_plots(result: dict, path: str) -> str | None:
+    """SparseServe's Figures 13, 15 and 16a from the ladder's rungs in the run (None if fewer
+    than two): per rung its goodput (the highest rate meeting the SLOs), and at the highest rate
+    every rung ran, output tokens/s, DRAM pages loaded per decode-only step, mean TTFT."""
+    rungs = [(n, result["presets"][n]) for n in LADDER_ORDER if n in result["presets"]]
+    if len(rungs) < 2:
+        return None
+    rates = [{rate_value(p["rate"]) for p in r.get("points", []) if p.get("completed")}
+             for _, r in rungs]
+    common = set.intersection(*rates) if all(rates) else set()
+    top = max(common) if common else None
+    at_top = [next((p for p in r["points"] if p.get("completed")
+                    and rate_value(p["rate"]) == top), None) for _, r in rungs]
+
+    def loads(p):
+        d = ((p or {}).get("steps") or {}).get("decode_only") or {}
+        return d.get("pages_loaded_per_step")
+    panels = (("goodput (req/s)", [r.get("goodput_rate") for _, r in rungs]),
+              ("output tokens/s", [out_tok_s(p) if p else None for p in at_top]),
+              ("pages loaded / decode-only step", [loads(p) for p in at_top]),
+              ("mean TTFT (s)", [ttft_ms(p) / 1e3 if p and ttft_ms(p) is not None else None
+                                 for p in at_top]))
+    plt = C.pyplot()
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    names = [n.replace("sparse-offload", "SO") for n, _ in rungs]
+    finite = [v for r in rates for v in r if math.isfinite(v)]
+    inf_x = 2 * max(finite) if finite else 1.0
+    for ax, (title, ys) in zip(axes, panels):
+        vals = [0.0 if y is None else rate_value(y) for y in ys]
+        vals = [v if math.isfinite(v) else inf_x for v in vals]  # a goodput of `inf`
+        bars = ax.bar(range(len(names)), vals)
+        if title.startswith("goodput"):
+            ax.bar_label(bars, ["-" if y is None else str(y) for y in ys], fontsize=8)
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title + ("" if title.startswith("goodput") else f" at {top:g} req/s"
+                              if top is not None and math.isfinite(top) else " at inf"),
+                     fontsize=9)
     return C.save_figure(fig, path)
 
 

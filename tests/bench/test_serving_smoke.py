@@ -170,3 +170,4 @@ def test_ladder_rungs_run(tmp_path):
         assert kw.get("working_set_window") == (5 if "+wc" in name else None)
         (p,) = r["presets"][name]["points"]
         assert p["completed"] == r["settings"]["num_prompts"] and not p["truncated"]
+    assert os.path.exists(r["ladder_figure"])  # Figures 13, 15, 16a over the rungs
