@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 import engine_bench as E  # noqa: E402
 import serving_report as R  # noqa: E402
-from system_run import step_range  # noqa: E402
+from system_run import StepRecorder, step_range, summarize_steps  # noqa: E402
 
 GiB = 1 << 30
 PRESETS = ("dense", "sparse", "sparse-offload", "sparseserve")
@@ -148,8 +148,6 @@ def run_point(engine, requests: list, rate: float, cap_s: float, seed: int,
                                         percentiles=[50, 90, 99])
         finally:
             task.cancel()
-
-    from system_run import StepRecorder, summarize_steps
 
     t = time.perf_counter()
     with StepRecorder(engine.executor, engine.config.model.num_hidden_layers,

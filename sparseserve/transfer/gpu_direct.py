@@ -102,14 +102,11 @@ class GpuDirectSaver(EventTicketSaver):
     "torch". The page ids / offsets travel to the device with the save (a small copy)."""
 
     def __init__(self, host_k_layers, host_v_layers, backend: str | None = None,
-                 validate: bool = True, side_stream: bool = True,
-                 max_programs: int | None = None) -> None:
+                 validate: bool = True, side_stream: bool = True) -> None:
         """side_stream: on CUDA, write from a side stream ordered after the compute stream's
-        work so far (the save overlaps compute; its ticket's event is recorded there).
-        max_programs: the Triton kernel's grid cap (`gpu_direct_save`)."""
+        work so far (the save overlaps compute; its ticket's event is recorded there)."""
         super().__init__()
         self.side_stream = side_stream
-        self.max_programs = max_programs
         self._side: dict = {}  # device -> side stream
         if len(host_k_layers) != len(host_v_layers):
             raise ValueError("host_k_layers and host_v_layers differ in length")
@@ -144,7 +141,7 @@ class GpuDirectSaver(EventTicketSaver):
             if backend == "auto":
                 backend = "triton" if dev.type == "cuda" else "torch"
             if backend == "triton":
-                gpu_direct_save(hk, hv, a.k, a.v, pages, offs, max_programs=self.max_programs)
+                gpu_direct_save(hk, hv, a.k, a.v, pages, offs)
             else:
                 _torch_save(hk, hv, a.k, a.v, pages, offs)
             event = None

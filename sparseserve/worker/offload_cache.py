@@ -191,9 +191,11 @@ class TwoTierCache:
         for layer in range(self.num_layers):
             slots = self.slot_of(layer, idx)
             slots = torch.where(slots >= 0, slots, self.scratch_slot)
-            self.page_of[layer, slots] = -1
-            self.last_access[layer, slots] = -1
-            self.owner[layer, slots] = self.scratch_row
+            # index_fill_ takes the value as a kernel argument; `t[layer, slots] = -1` would
+            # copy a CPU scalar to the device synchronously, three times per layer
+            self.page_of[layer].index_fill_(0, slots, -1)
+            self.last_access[layer].index_fill_(0, slots, -1)
+            self.owner[layer].index_fill_(0, slots, self.scratch_row)
             residency_hash.rebuild(self.res_table[layer], self.page_of[layer],
                                    self.res_fill[layer])
 

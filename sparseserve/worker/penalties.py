@@ -74,8 +74,8 @@ class PenaltyState:
             self.seen.index_fill_(0, idx, False)
             self.counts.index_fill_(0, idx, 0)
         if toks:
-            fill_at(self.seen, (to_device(rows, torch.long, self.device),
-                                to_device(toks, torch.long, self.device)), True)
+            at = to_device([rows, toks], torch.long, self.device)  # [2, N]: one copy
+            fill_at(self.seen, (at[0], at[1]), True)
 
     def prepare(self, rows: Sequence[int], num_output_tokens: Sequence[int]) -> None:
         """Before sampling: rebuild the counts of rows whose request resumed with outputs the

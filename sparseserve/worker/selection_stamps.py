@@ -49,9 +49,10 @@ class SelectionStamps:
 
     def forget(self, pages: torch.Tensor) -> None:
         """Pages [N] int64 left their request: no stamp, no owner (their ids are reused)."""
-        self.last_selected[:, pages] = -1
-        self.chunk_row[torch.div(pages, self.chunk_pages, rounding_mode="floor")] = \
-            self.scratch_row
+        # index_fill_: no CPU scalar copied to the device (no host sync)
+        self.last_selected.index_fill_(1, pages, -1)
+        self.chunk_row.index_fill_(0, torch.div(pages, self.chunk_pages, rounding_mode="floor"),
+                                   self.scratch_row)
 
     def counts(self, window: int) -> torch.Tensor:
         """[L, num_rows + 1] int64: pages each row selected in the last `window` steps, per
