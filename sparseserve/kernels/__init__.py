@@ -27,7 +27,8 @@ import torch
 from . import ref
 
 __all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "head_bounds",
-           "select_pages", "select_pages_shortlist", "code_page_bounds", "resolve_backend",
+           "select_pages", "select_pages_shortlist", "code_page_bounds",
+           "channel_code_page_bounds", "resolve_backend",
            "patch_triton_interpreter", "BACKENDS", "SCORE_MODES", "ref"]
 
 BACKENDS = ("auto", "triton", "torch")
@@ -171,6 +172,24 @@ def code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits, out=None
         return ref.code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits, out)
     from .code_scores import code_page_bounds as _triton
     return _triton(q, kmin, kmax, codes, page_table, num_pages, bits, out)
+
+
+def channel_code_page_bounds(q, kmean, klo, khi, chan, codes, page_table, num_pages, kscale=None,
+                             out=None, *, backend=None):
+    """Per-query-head page scores from key codes on a few channels per page (log-sum-exp of
+    the approximate logits, in bound units); see ``ref.channel_code_page_bounds``. Triton:
+    ``channel_codes`` (where it takes the coded channel count; the reference otherwise).
+
+    q [B, Hq, D], kmean [S, D] (int8 with kscale [S, 1]), klo/khi [S, R], chan [S, R / 4]
+    int32, codes [S, page_size * R / 16] int32, page_table [B, Hkv, W] int32,
+    num_pages [B, Hkv] int32 -> [B, Hkv, G, W] float32."""
+    args = (q, kmean, klo, khi, chan, codes, page_table, num_pages, kscale, out)
+    if resolve_backend(backend, q) == "torch":
+        return ref.channel_code_page_bounds(*args)
+    from .channel_codes import channel_code_page_bounds as _triton, supported
+    if not supported(klo.shape[1], q.shape[2]):
+        return ref.channel_code_page_bounds(*args)
+    return _triton(*args)
 
 
 def select_pages_shortlist(q, kmin, kmax, codes, page_table, num_pages, last_page_len,

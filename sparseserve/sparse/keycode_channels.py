@@ -23,15 +23,19 @@ Bytes per page and KV head at page 32, bf16 (any head_dim, r = D / 8 | D / 4):
 ``2D + 4r + r + 8r`` B = 2.8 % (``keycode2-c8``) / 4.1 % (``keycode2-c4``) of the page's K+V
 bytes, against ArkVale's 3.1 % and keycode2's 9.4 %.
 
-``score`` (the engine's path, CPU and GPU) computes the logits without decoding whole keys:
-``q . kmean`` per page plus ``q[chan] . (k^[chan] - kmean[chan])`` per token, so its scratch
-is ``[B, Hkv, G, W, page_size, r]``, r / D of a decoded key tensor. No fused kernel yet: the
-generic select (torch top-k) runs it. Fixed shapes, no host synchronisation.
+``score`` computes the logits without decoding whole keys: ``q . kmean`` per page plus
+``q[chan] . (k^[chan] - kmean[chan])`` per token (``kernels.channel_code_page_bounds``: Triton
+on CUDA, ``kernels/channel_codes.py``; the torch spec ``ref.channel_code_page_bounds`` on
+CPU, whose scratch is ``[B, Hkv, G, W, page_size, r]``, r / D of a decoded key tensor). The
+generic select (torch top-k) runs over it; no fused select yet. Fixed shapes, no host
+synchronisation.
 """
 from __future__ import annotations
 
 import torch
 
+from sparseserve.kernels import channel_code_page_bounds
+from sparseserve.kernels.ref import mass_from_bounds
 from sparseserve.sparse.base import register
 from sparseserve.sparse.keycodes import KeyCodes, pack_codes, unpack_codes
 
@@ -47,6 +51,10 @@ class KeyCodeChannels(KeyCodes):
     bits = BITS
     channel_divisor = 8
     fused_select = False  # no fused kernel: the generic select over score()
+    # which channels get codes: "width" (max - min in the page) or "var" (within-page variance)
+    choose_by = "width"
+    # the page mean as int8 times a per-page absmax scale (``kscale``) instead of the KV dtype
+    int8_mean = False
 
     def coded_channels(self, head_dim: int) -> int:
         """head_dim / channel_divisor, rounded up to a multiple of 4 (channel indices are packed
@@ -60,11 +68,17 @@ class KeyCodeChannels(KeyCodes):
         r = self.coded_channels(head_dim)
         nw = self.page_size * r * BITS // 32
         assert nw * 32 == self.page_size * r * BITS, "page codes must fill words"
-        return {"kmean": (head_dim,), "klo": (r,), "khi": (r,), "chan": (r // 4,),
-                "codes": (nw,)}
+        shapes = {"kmean": (head_dim,), "klo": (r,), "khi": (r,), "chan": (r // 4,),
+                  "codes": (nw,)}
+        if self.int8_mean:
+            shapes["kscale"] = (1,)
+        return shapes
 
     def summary_dtypes(self):
-        return {"chan": torch.int32, "codes": torch.int32}
+        dts = {"chan": torch.int32, "codes": torch.int32}
+        if self.int8_mean:
+            dts.update(kmean=torch.int8, kscale=torch.float32)
+        return dts
 
     def index(self, k_cache, page_ids, num_tokens, summaries, queries):
         live = page_ids >= 0
@@ -78,6 +92,8 @@ class KeyCodeChannels(KeyCodes):
         lo = torch.where(ok, k, float("inf")).amin(1)
         hi = torch.where(ok, k, float("-inf")).amax(1)
         width = torch.where(num_tokens.view(-1, 1) > 0, hi - lo, 0.0)
+        if self.choose_by == "var":
+            width = torch.where(ok, (k - mean.unsqueeze(1)) ** 2, 0.0).sum(1)
         # the widest channels, in channel order (ties: the lower channel)
         chan = width.topk(r, dim=1).indices.sort(dim=1).values        # [N, r]
         kc = k.gather(2, chan.unsqueeze(1).expand(n, ps, r))          # [N, ps, r]
@@ -85,6 +101,10 @@ class KeyCodeChannels(KeyCodes):
         w = (chi - clo).clamp(min=1e-30).unsqueeze(1)
         code = ((kc - clo.unsqueeze(1)) / w * LEVELS).floor().clamp(0, LEVELS - 1)
         code = torch.where(ok, code, 0.0).to(torch.int64)
+        if self.int8_mean:
+            amax = mean.abs().amax(1, keepdim=True).clamp(min=1e-30)   # [N, 1]
+            summaries["kscale"][rows] = amax / 127
+            mean = (mean / amax * 127).round()
         summaries["kmean"][rows] = mean.to(summaries["kmean"].dtype)
         summaries["klo"][rows] = clo.to(summaries["klo"].dtype)
         summaries["khi"][rows] = chi.to(summaries["khi"].dtype)
@@ -95,6 +115,8 @@ class KeyCodeChannels(KeyCodes):
         """(kmean [*rows, D], chan [*rows, r] int64, deviation of the coded channels from the
         mean [*rows, page_size, r]) float32, for the pages at ``rows``."""
         mean = summaries["kmean"][rows].float()
+        if self.int8_mean:
+            mean = mean * summaries["kscale"][rows].float()
         chan = unpack_codes(summaries["chan"][rows], 8)               # [..., r]
         lo = summaries["klo"][rows].float()
         hi = summaries["khi"][rows].float()
@@ -113,21 +135,13 @@ class KeyCodeChannels(KeyCodes):
 
     def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
         """[B, Hkv, W]: approximate token attention mass per page (keycode2's, from these
-        summaries); +inf kept / last page, -inf past num_pages (``from_token_logits``)."""
-        b, hq, d = q.shape
-        hkv, w = page_table.shape[1], page_table.shape[2]
-        g = hq // hkv
-        n = num_pages.long().view(b, hkv, 1)
-        valid = torch.arange(w, device=q.device).view(1, 1, w) < n
-        rows = torch.where(valid, page_table.long(), 0)               # [B, Hkv, W]
-        mean, chan, dev = self._decoded(summaries, rows)
-        qf = q.float().view(b, hkv, g, 1, d)
-        base = (qf * mean.unsqueeze(2)).sum(-1)                       # [B, Hkv, G, W]
-        qc = qf.expand(b, hkv, g, w, d).gather(
-            -1, chan.unsqueeze(2).expand(b, hkv, g, w, chan.shape[-1]))  # [B, Hkv, G, W, r]
-        x = base.unsqueeze(-1) + torch.einsum("bhgwr,bhwtr->bhgwt", qc, dev)
-        scale = d ** -0.5
-        return self.from_token_logits(x * scale, num_pages, scale)
+        summaries: ``kernels.channel_code_page_bounds``, then ``ref.mass_from_bounds``);
+        +inf kept / last page, -inf past num_pages."""
+        u = channel_code_page_bounds(q, summaries["kmean"], summaries["klo"], summaries["khi"],
+                                     summaries["chan"], summaries["codes"], page_table,
+                                     num_pages, summaries["kscale"] if self.int8_mean else None)
+        return mass_from_bounds(u, num_pages, self.sink_pages, self.local_pages,
+                                q.shape[-1] ** -0.5)
 
 
 @register("keycode2-c8")
