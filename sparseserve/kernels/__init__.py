@@ -140,7 +140,8 @@ def head_bounds(q, kmin, kmax, page_table, num_pages, *, backend=None, n_sub=1):
 
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
                  local_pages, out_pages=None, out_num=None, out_blocks=None, *, backend=None,
-                 num_splits=None, n_sub=1, codes=None, bits=0):
+                 num_splits=None, n_sub=1, codes=None, bits=0, kmean=None, chan=None,
+                 kscale=None):
     """Fused Quest/ArkVale selection (score + kept pages + top-k); see
     ``page_select.select_pages``.
 
@@ -150,15 +151,18 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     blocks [B, Hkv, K] int64 with K = max(1, min(budget_pages - 1, W)) + 1.
     ``num_splits`` (Triton only): score programs per (request, KV head); 1 = one launch.
     ``codes``, ``bits`` > 0: token key codes score the pages (``ref.code_page_bounds``).
+    ``kmean``, ``chan``, ``kscale`` with ``codes``: channel key codes score them
+    (``ref.channel_code_page_bounds``; kmin / kmax are the coded channels' ranges).
     """
+    cc = dict(kmean=kmean, chan=chan, kscale=kscale)
     if resolve_backend(backend, q) == "torch":
         return ref.select_pages(q, kmin, kmax, page_table, num_pages, last_page_len,
                                 budget_pages, sink_pages, local_pages, out_pages, out_num,
-                                out_blocks, n_sub=n_sub, codes=codes, bits=bits)
+                                out_blocks, n_sub=n_sub, codes=codes, bits=bits, **cc)
     from .page_select import select_pages as _triton
     return _triton(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages,
                    sink_pages, local_pages, out_pages, out_num, out_blocks, num_splits=num_splits,
-                   n_sub=n_sub, codes=codes, bits=bits)
+                   n_sub=n_sub, codes=codes, bits=bits, **cc)
 
 
 def code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits, out=None, *,

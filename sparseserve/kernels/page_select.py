@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from . import patch_triton_interpreter
+from .channel_codes import chan_code_page_x
 from .code_scores import decode_page_keys
 
 patch_triton_interpreter()
@@ -101,13 +102,16 @@ def _code_page_x(kmin_ptr, kmax_ptr, codes_ptr, stride_min, stride_max, stride_c
 
 @triton.jit
 def _page_select_kernel(
-    q_ptr, kmin_ptr, kmax_ptr, codes_ptr, pt_ptr, np_ptr, s_ptr, ml_ptr, key_ptr, pages_ptr,
-    blocks_ptr, nsel_ptr,
-    stride_qb, stride_qh, stride_min, stride_max, stride_codes, stride_ptb, stride_pth, stride_npb,
+    q_ptr, kmin_ptr, kmax_ptr, codes_ptr, mean_ptr, chan_ptr, kscale_ptr, pt_ptr, np_ptr, s_ptr,
+    ml_ptr, key_ptr, pages_ptr, blocks_ptr, nsel_ptr,
+    stride_qb, stride_qh, stride_min, stride_max, stride_codes, stride_mean, stride_chan,
+    stride_ptb, stride_pth, stride_npb,
     stride_sb, stride_sh, stride_sg, stride_mlb, stride_mlh,
     stride_kb, stride_kh, stride_pb, stride_ph, stride_bb, stride_bh, stride_nb,
     W, k_top, k_out, sink, local, chunks_per_split, num_splits, qk_scale,
-    NSUB: tl.constexpr, BITS: tl.constexpr, PS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr,
+    NSUB: tl.constexpr, BITS: tl.constexpr, PS: tl.constexpr, R: tl.constexpr,
+    INT8_MEAN: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+    BLOCK_W: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, TILE: tl.constexpr, ONE_TILE: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, DO_SCORE: tl.constexpr,
     DO_SELECT: tl.constexpr,
@@ -141,7 +145,14 @@ def _page_select_kernel(
             need = offs_w < n - 1  # full pages, kept ones included (they normalise too)
             page = tl.load(pt_row + offs_w, mask=need, other=0).to(tl.int64)
             m2 = need[:, None] & d_ok[None, :]
-            if BITS == 0:
+            if R > 0:  # channel key codes (kmin / kmax: the R coded channels' ranges)
+                x = chan_code_page_x(mean_ptr, kmin_ptr, kmax_ptr, chan_ptr, codes_ptr,
+                                     kscale_ptr, stride_mean, stride_min, stride_max,
+                                     stride_chan, stride_codes,
+                                     q_ptr + b64 * stride_qb + h * G * stride_qh, stride_qh, qt,
+                                     page, need, qk_scale, D, BLOCK_D, BLOCK_W, PS, R, G, GP,
+                                     INT8_MEAN, DOT_PREC)
+            elif BITS == 0:
                 u = tl.full([BLOCK_W, GP], float("-inf"), tl.float32)
                 # a page row holds NSUB boxes of D channels: the page's bound is their max
                 for j in tl.static_range(NSUB):
@@ -260,7 +271,8 @@ def _default_splits(q, rows: int, chunks: int) -> int:
 
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
                  local_pages, out_pages=None, out_num=None, out_blocks=None, *, num_splits=None,
-                 block_w=None, num_warps=None, n_sub=1, codes=None, bits=0):
+                 block_w=None, num_warps=None, n_sub=1, codes=None, bits=0, kmean=None,
+                 chan=None, kscale=None):
     """Fused Quest/ArkVale page selection by estimated attention mass
 (``SparseAlgorithm.select``'s contract over ``Quest.score``; spec: ``ref.select_pages``).
 
@@ -281,6 +293,10 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                        bits / 32] int32 and kmin/kmax [S, D] their range; a page's per-head
                        score input is then the log-sum-exp of its tokens' approximate logits
                        (``ref.code_page_bounds``) instead of a box bound
+        kmean, chan, kscale: channel key codes (``sparse/keycode_channels.py``, with
+                       ``codes``, bits 2): kmean [S, D] (int8 with kscale [S, 1]), chan
+                       [S, R / 4] int32, and kmin / kmax [S, R] the coded channels' ranges;
+                       scores as ``ref.channel_code_page_bounds``
     Returns:
         pages [B, Hkv, K] int32 physical ids, num_sel [B, Hkv] int32, blocks [B, Hkv, K] int64
         logical indices, K = max(1, min(budget - 1, W)) + 1 (= budget when W >= budget - 1).
@@ -295,9 +311,19 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     B, Hq, D = q.shape
     _, Hkv, W = page_table.shape
     assert Hq % Hkv == 0 and W >= 1
-    assert kmin.shape[-1] == n_sub * D and kmax.shape[-1] == n_sub * D
+    R = kmin.shape[-1] if chan is not None else 0
     ps = 1
-    if bits:
+    if R:
+        from .channel_codes import supported
+        assert supported(R, D) and bits == 2 and codes is not None and n_sub == 1
+        assert kmean.shape[-1] == D and kmean.stride(1) == 1 and chan.dtype == torch.int32
+        ps = codes.shape[1] * 16 // R
+        assert ps * R == codes.shape[1] * 16 and ps & (ps - 1) == 0
+        if not q.is_cuda and kmax.dtype == torch.bfloat16 and kscale is None:
+            kmean = kmean.float()  # with kmin / kmax below: the interpreter's bf16 dot
+    else:
+        assert kmin.shape[-1] == n_sub * D and kmax.shape[-1] == n_sub * D
+    if bits and not R:
         assert n_sub == 1 and codes is not None and codes.dtype == torch.int32
         assert codes.stride(1) == 1
         ps = codes.shape[1] * 32 // (bits * D)
@@ -333,7 +359,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     num_splits, block_w, num_warps = (num_splits or NUM_SPLITS, block_w or BLOCK_W,
                                       num_warps or NUM_WARPS)
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    block_w = block_w or (max(1, min(16, 8192 // (ps * BLOCK_D))) if bits
+    block_w = block_w or (16 if R else max(1, min(16, 8192 // (ps * BLOCK_D))) if bits
                           else max(16, min(64, 8192 // BLOCK_D)))
     TILE = max(16, min(MAX_TILE, triton.next_power_of_2(W)))
     chunks = triton.cdiv(W, block_w)
@@ -346,15 +372,18 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     keys = torch.empty(B, Hkv, W if TILE < W else 1, dtype=torch.int32, device=dev)
     sel_warps = num_warps or (4 if TILE <= 1024 else 8 if TILE <= 4096 else 16)
     cd = codes if bits else page_table  # any int32 tensor when unused
-    args = (q, kmin, kmax, cd, page_table, num_pages, xs, ml, keys, out_pages, out_blocks,
-            out_num, q.stride(0), q.stride(1), kmin.stride(0), kmax.stride(0), cd.stride(0),
-            page_table.stride(0),
+    mean = kmean if R else kmin
+    ch = chan if R else page_table
+    ks = kscale.reshape(-1) if kscale is not None else kmin
+    args = (q, kmin, kmax, cd, mean, ch, ks, page_table, num_pages, xs, ml, keys, out_pages,
+            out_blocks, out_num, q.stride(0), q.stride(1), kmin.stride(0), kmax.stride(0),
+            cd.stride(0), mean.stride(0), ch.stride(0), page_table.stride(0),
             page_table.stride(1), num_pages.stride(0), xs.stride(0), xs.stride(1), xs.stride(2),
             ml.stride(0), ml.stride(1), keys.stride(0), keys.stride(1),
             out_pages.stride(0), out_pages.stride(1), out_blocks.stride(0), out_blocks.stride(1),
             out_num.stride(0), W, k_top, k_out, sink_pages, local_pages, cps, splits,
             D ** -0.5 * LOG2E)
-    meta = dict(NSUB=n_sub, BITS=bits, PS=ps, G=G, GP=GP, D=D, BLOCK_W=block_w, BLOCK_D=BLOCK_D,
+    meta = dict(NSUB=n_sub, BITS=bits, PS=ps, R=R, INT8_MEAN=kscale is not None, G=G, GP=GP, D=D, BLOCK_W=block_w, BLOCK_D=BLOCK_D,
                 BLOCK_S=triton.next_power_of_2(splits), TILE=TILE, ONE_TILE=TILE >= W,
                 BLOCK_K=triton.next_power_of_2(k_out),
                 # fp32 summaries: exact products (no TF32); 16-bit operands multiply exactly

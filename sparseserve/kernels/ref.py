@@ -290,7 +290,7 @@ def page_mass(q, kmin, kmax, page_table, num_pages, sink_pages, local_pages, out
 
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
                  local_pages, out_pages=None, out_num=None, out_blocks=None, n_sub=1,
-                 codes=None, bits=0):
+                 codes=None, bits=0, kmean=None, chan=None, kscale=None):
     """Quest/ArkVale page selection: ``page_mass`` + kept pages + top-k, exactly
     ``SparseAlgorithm.select``'s torch path over ``Quest.score`` (the spec of
     ``page_select.select_pages``).
@@ -301,6 +301,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                                            bound is the max of its boxes' bounds)
         codes, bits:   token key codes (bits > 0): pages scored by ``code_page_bounds``
                        instead of their boxes' bounds (kmin / kmax: the codes' range)
+        kmean, chan, kscale: channel key codes (with codes): pages scored by
+                       ``channel_code_page_bounds`` (kmin / kmax: the coded channels' ranges)
         page_table:    [B, Hkv, W] int32   all of each request's pages in order
         num_pages:     [B, Hkv] int32      valid entries of page_table (1..W)
         last_page_len: [B] int32           unused (the caller's Selection carries it)
@@ -314,7 +316,11 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         entries past it repeat the last page.
     """
     B, _, W = page_table.shape
-    if bits:  # token key codes: approximate token attention mass per page
+    if chan is not None:  # channel key codes: approximate token attention mass per page
+        u = channel_code_page_bounds(q, kmean, kmin, kmax, chan, codes, page_table, num_pages,
+                                     kscale)
+        scores = mass_from_bounds(u, num_pages, sink_pages, local_pages, q.shape[-1] ** -0.5)
+    elif bits:  # token key codes: approximate token attention mass per page
         scores = mass_from_bounds(code_page_bounds(q, kmin, kmax, codes, page_table, num_pages,
                                                    bits), num_pages, sink_pages, local_pages,
                                   q.shape[-1] ** -0.5)

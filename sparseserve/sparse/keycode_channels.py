@@ -26,17 +26,18 @@ bytes, against ArkVale's 3.1 % and keycode2's 9.4 %.
 ``score`` computes the logits without decoding whole keys: ``q . kmean`` per page plus
 ``q[chan] . (k^[chan] - kmean[chan])`` per token (``kernels.channel_code_page_bounds``: Triton
 on CUDA, ``kernels/channel_codes.py``; the torch spec ``ref.channel_code_page_bounds`` on
-CPU, whose scratch is ``[B, Hkv, G, W, page_size, r]``, r / D of a decoded key tensor). The
-generic select (torch top-k) runs over it; no fused select yet. Fixed shapes, no host
-synchronisation.
+CPU, whose scratch is ``[B, Hkv, G, W, page_size, r]``, r / D of a decoded key tensor). ``select`` is
+the fused ``kernels.select_pages`` with the channel codes (score phase
+``channel_codes.chan_code_page_x``; the generic select over ``score`` with
+``SPARSESERVE_FUSED_SELECT=0``). Fixed shapes, no host synchronisation.
 """
 from __future__ import annotations
 
 import torch
 
-from sparseserve.kernels import channel_code_page_bounds
+from sparseserve.kernels import channel_code_page_bounds, select_pages
 from sparseserve.kernels.ref import mass_from_bounds
-from sparseserve.sparse.base import register
+from sparseserve.sparse.base import Selection, register
 from sparseserve.sparse.keycodes import KeyCodes, pack_codes, unpack_codes
 
 BITS = 2
@@ -50,7 +51,6 @@ class KeyCodeChannels(KeyCodes):
     summary_names = ("kmean", "klo", "khi", "chan", "codes")
     bits = BITS
     channel_divisor = 8
-    fused_select = False  # no fused kernel: the generic select over score()
     # which channels get codes: "width" (max - min in the page) or "var" (within-page variance)
     choose_by = "width"
     # the page mean as int8 times a per-page absmax scale (``kscale``) instead of the KV dtype
@@ -142,6 +142,20 @@ class KeyCodeChannels(KeyCodes):
                                      num_pages, summaries["kscale"] if self.int8_mean else None)
         return mass_from_bounds(u, num_pages, self.sink_pages, self.local_pages,
                                 q.shape[-1] ** -0.5)
+
+
+    def select(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
+        """One fused kernel (kernels.select_pages with the channel codes): the same set of
+        pages as the generic select over score()."""
+        if not self.fused_select:
+            return super(KeyCodes, self).select(q, page_table, num_pages, last_page_len,
+                                                summaries, k_cache)
+        pages, num_sel, blocks = select_pages(
+            q, summaries["klo"], summaries["khi"], page_table, num_pages, last_page_len,
+            self.budget_pages, self.sink_pages, self.local_pages, codes=summaries["codes"],
+            bits=BITS, kmean=summaries["kmean"], chan=summaries["chan"],
+            kscale=summaries["kscale"] if self.int8_mean else None)
+        return Selection(pages, num_sel, last_page_len, blocks)
 
 
 @register("keycode2-c8")

@@ -95,3 +95,60 @@ def test_small_channel_counts_run_the_reference():
     got = dispatch(*to_dev(q, *s, table, num, ks))
     want = ref.channel_code_page_bounds(*to_dev(q, *s, table, num, ks))
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("int8_mean", [False, True])
+@pytest.mark.parametrize("Hq,Hkv,D,divisor", [(6, 2, 64, 4), (4, 4, 128, 8)])
+def test_fused_select_with_channel_codes_matches_reference(int8_mean, Hq, Hkv, D, divisor):
+    """The fused select (``page_select.select_pages`` with ``kmean=``/``chan=``): the kernel's
+    pages are the reference's (ref.select_pages = mass_from_bounds(channel_code_page_bounds)
+    + top-k) at 1, 17, 54, 97 pages, fused and split launches; KeyCodeChannels.select ==
+    the generic select over its score."""
+    from sparseserve.kernels.page_select import select_pages
+    from sparseserve.sparse.base import LayerSummaries
+    gen = torch.Generator().manual_seed(D + divisor + int8_mean)
+    alg, summ, q, table, num, s, ks = _case([1, 17, 54, 97], Hq, Hkv, D, 32, divisor, gen,
+                                            int8_mean=int8_mean)
+    table = torch.where(table >= summ["kmean"].shape[0] - 1, 0, table)  # stay in range
+    kmean, klo, khi, chan, codes = s
+    B = table.shape[0]
+    cc = dict(codes=to_dev(codes), bits=2, kmean=to_dev(kmean), chan=to_dev(chan),
+              kscale=to_dev(ks) if ks is not None else None)
+    for budget, sink, local, splits in ((8, 1, 2, 1), (16, 0, 1, 3)):
+        got = select_pages(*to_dev(q, klo, khi, table, num), None, budget, sink, local,
+                           num_splits=splits, **cc)
+        rp, rn, rb = ref.select_pages(*to_dev(q, klo, khi, table, num), None, budget, sink,
+                                      local, **cc)
+        assert torch.equal(got[1].cpu(), rn.cpu())
+        for b in range(B):
+            for h in range(Hkv):
+                m = int(rn[b, h])
+                assert set(got[2][b, h, :m].tolist()) == set(rb[b, h, :m].tolist())
+    last = torch.full((B,), 3, dtype=torch.int32)
+    dev = LayerSummaries({n: t.to(DEVICE) for n, t in summ.tensors.items()}, summ.shapes)
+    fused = alg.select(*to_dev(q, table, num, last), dev, None)
+    alg.fused_select = False
+    plain = alg.select(*to_dev(q, table, num, last), dev, None)
+    assert torch.equal(fused.num_pages, plain.num_pages)
+    for b in range(B):
+        for h in range(Hkv):
+            m = int(plain.num_pages[b, h])
+            assert set(fused.blocks[b, h, :m].tolist()) == set(plain.blocks[b, h, :m].tolist())
+
+
+def test_fused_select_with_channel_codes_wide_row():
+    """A 4097-page row next to a 5-page one, bf16 summaries, budget 64."""
+    from sparseserve.kernels.page_select import select_pages
+    gen = torch.Generator().manual_seed(11)
+    _, summ, q, table, num, s, ks = _case([4097, 5], 8, 2, 64, 32, 4, gen, torch.bfloat16)
+    table = torch.where(table >= summ["kmean"].shape[0] - 1, 0, table)
+    kmean, klo, khi, chan, codes = s
+    cc = dict(codes=to_dev(codes), bits=2, kmean=to_dev(kmean), chan=to_dev(chan))
+    got = select_pages(*to_dev(q, klo, khi, table, num), None, 64, 1, 2, **cc)
+    rp, rn, rb = ref.select_pages(*to_dev(q, klo, khi, table, num), None, 64, 1, 2, **cc)
+    assert torch.equal(got[1].cpu(), rn.cpu())
+    # bf16 dots: near-tied pages may swap at the cut; nearly every page must agree
+    for h in range(2):
+        m = int(rn[0, h])
+        same = len(set(got[2][0, h, :m].tolist()) & set(rb[0, h, :m].tolist()))
+        assert same >= m - 3
