@@ -28,7 +28,7 @@ from . import ref
 
 __all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "head_bounds",
            "select_pages", "select_pages_shortlist", "code_page_bounds",
-           "channel_code_page_bounds", "resolve_backend",
+           "channel_code_page_bounds", "channel_codes_supported", "resolve_backend",
            "patch_triton_interpreter", "BACKENDS", "SCORE_MODES", "ref"]
 
 BACKENDS = ("auto", "triton", "torch")
@@ -155,6 +155,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     (``ref.channel_code_page_bounds``; kmin / kmax are the coded channels' ranges).
     """
     cc = dict(kmean=kmean, chan=chan, kscale=kscale)
+    if chan is not None and not channel_codes_supported(kmin.shape[-1], q.shape[-1]):
+        backend = "torch"  # too few coded channels for the kernel
     if resolve_backend(backend, q) == "torch":
         return ref.select_pages(q, kmin, kmax, page_table, num_pages, last_page_len,
                                 budget_pages, sink_pages, local_pages, out_pages, out_num,
@@ -178,6 +180,12 @@ def code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits, out=None
     return _triton(q, kmin, kmax, codes, page_table, num_pages, bits, out)
 
 
+def channel_codes_supported(R: int, D: int) -> bool:
+    """Whether the Triton channel-code kernels take R coded channels of head_dim D (the dot's
+    K dimension: a power of two >= 16); otherwise the torch reference runs, on any device."""
+    return R >= 16 and R & (R - 1) == 0 and D >= 16
+
+
 def channel_code_page_bounds(q, kmean, klo, khi, chan, codes, page_table, num_pages, kscale=None,
                              out=None, *, backend=None):
     """Per-query-head page scores from key codes on a few channels per page (log-sum-exp of
@@ -190,9 +198,9 @@ def channel_code_page_bounds(q, kmean, klo, khi, chan, codes, page_table, num_pa
     args = (q, kmean, klo, khi, chan, codes, page_table, num_pages, kscale, out)
     if resolve_backend(backend, q) == "torch":
         return ref.channel_code_page_bounds(*args)
-    from .channel_codes import channel_code_page_bounds as _triton, supported
-    if not supported(klo.shape[1], q.shape[2]):
+    if not channel_codes_supported(klo.shape[1], q.shape[2]):
         return ref.channel_code_page_bounds(*args)
+    from .channel_codes import channel_code_page_bounds as _triton
     return _triton(*args)
 
 

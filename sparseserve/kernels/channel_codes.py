@@ -21,18 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import channel_codes_supported as supported
 from . import patch_triton_interpreter
 
 patch_triton_interpreter()
 
-__all__ = ["channel_code_page_bounds", "chan_code_page_x", "supported"]
+__all__ = ["channel_code_page_bounds", "chan_code_page_x"]
 
 LOG2E = 1.4426950408889634
-
-
-def supported(R: int, D: int) -> bool:
-    """Whether the Triton kernel takes R coded channels of head_dim D (else: the reference)."""
-    return R >= 16 and R & (R - 1) == 0 and D >= 16
 
 
 @triton.jit
@@ -118,7 +114,7 @@ def _chan_code_scores_kernel(
 def channel_code_page_bounds(q, kmean, klo, khi, chan, codes, page_table, num_pages,
                              kscale=None, out=None, block_w=16, num_warps=4):
     """Triton version of ``ref.channel_code_page_bounds`` (same arguments and result:
-    [B, Hkv, G, W] float32). R = klo.shape[1] must pass ``supported``."""
+    [B, Hkv, G, W] float32). R = klo.shape[1] must pass ``kernels.channel_codes_supported``."""
     B, Hq, D = q.shape
     _, Hkv, W = page_table.shape
     G, R = Hq // Hkv, klo.shape[1]

@@ -314,8 +314,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     R = kmin.shape[-1] if chan is not None else 0
     ps = 1
     if R:
-        from .channel_codes import supported
-        assert supported(R, D) and bits == 2 and codes is not None and n_sub == 1
+        from . import channel_codes_supported
+        assert channel_codes_supported(R, D) and bits == 2 and codes is not None and n_sub == 1
         assert kmean.shape[-1] == D and kmean.stride(1) == 1 and chan.dtype == torch.int32
         ps = codes.shape[1] * 16 // R
         assert ps * R == codes.shape[1] * 16 and ps & (ps - 1) == 0

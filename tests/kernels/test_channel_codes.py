@@ -7,7 +7,8 @@ import torch
 
 from sparseserve.kernels import channel_code_page_bounds as dispatch
 from sparseserve.kernels import ref
-from sparseserve.kernels.channel_codes import channel_code_page_bounds, supported
+from sparseserve.kernels import channel_codes_supported as supported
+from sparseserve.kernels.channel_codes import channel_code_page_bounds
 from sparseserve.sparse.keycode_channels import KeyCodeChannels
 
 from tests.conftest import DEVICE
