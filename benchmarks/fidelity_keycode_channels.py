@@ -3,6 +3,8 @@
 
 * ``keycode2-c4-var`` / ``keycode2-c8-var`` — the coded channels chosen by within-page
   variance instead of width (max - min);
+* ``keycode2-c4-q`` — chosen by within-page variance times the energy of the page's filling
+  queries (rotate-half pairs summed), the query-aware estimate of the logit error removed;
 * ``keycode2-c4-i8`` / ``keycode2-c8-i8`` — the page mean stored as int8 times a per-page
   absmax scale (D + 4 bytes instead of 2 D at bf16).
 
@@ -21,6 +23,8 @@ from sparseserve.bench import fidelity_cli
 from sparseserve.sparse.base import register
 from sparseserve.sparse.keycode_channels import KeyCodeChannels
 
+register("keycode2-c4-q")(type("KeyCode2C4Query", (KeyCodeChannels,),
+                              {"channel_divisor": 4, "choose_by": "query", "uses_queries": True}))
 for _div in (4, 8):
     register(f"keycode2-c{_div}-var")(type(f"KeyCode2C{_div}Var", (KeyCodeChannels,),
                                            {"channel_divisor": _div, "choose_by": "var"}))

@@ -51,7 +51,8 @@ class KeyCodeChannels(KeyCodes):
     summary_names = ("kmean", "klo", "khi", "chan", "codes")
     bits = BITS
     channel_divisor = 8
-    # which channels get codes: "width" (max - min in the page) or "var" (within-page variance)
+    # which channels get codes: "width" (max - min in the page), "var" (within-page variance) or
+    # "query" (variance times the energy of the page's filling queries; needs uses_queries)
     choose_by = "width"
     # the page mean as int8 times a per-page absmax scale (``kscale``) instead of the KV dtype
     int8_mean = False
@@ -92,8 +93,14 @@ class KeyCodeChannels(KeyCodes):
         lo = torch.where(ok, k, float("inf")).amin(1)
         hi = torch.where(ok, k, float("-inf")).amax(1)
         width = torch.where(num_tokens.view(-1, 1) > 0, hi - lo, 0.0)
-        if self.choose_by == "var":
+        if self.choose_by in ("var", "query"):
             width = torch.where(ok, (k - mean.unsqueeze(1)) ** 2, 0.0).sum(1)
+        if self.choose_by == "query" and queries is not None:
+            # expected squared logit error a channel's codes remove: its variance times the
+            # query energy there, estimated from the queries that filled the page (rotate-half
+            # RoPE turns channel c with c + D/2: their summed energy is the position-free part)
+            qe = queries.float().pow(2).sum(1)                        # [N, D]
+            width = width * (qe + qe.roll(d // 2, dims=1))
         # the widest channels, in channel order (ties: the lower channel)
         chan = width.topk(r, dim=1).indices.sort(dim=1).values        # [N, r]
         kc = k.gather(2, chan.unsqueeze(1).expand(n, ps, r))          # [N, ps, r]
@@ -147,7 +154,7 @@ class KeyCodeChannels(KeyCodes):
     def select(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
         """One fused kernel (kernels.select_pages with the channel codes): the same set of
         pages as the generic select over score()."""
-        if not self.fused_select:
+        if not self.fused_select or type(self).score is not KeyCodeChannels.score:
             return super(KeyCodes, self).select(q, page_table, num_pages, last_page_len,
                                                 summaries, k_cache)
         pages, num_sel, blocks = select_pages(
