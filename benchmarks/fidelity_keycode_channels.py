@@ -19,15 +19,37 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 from sparseserve.bench import fidelity_cli
 from sparseserve.sparse.base import register
 from sparseserve.sparse.keycode_channels import KeyCodeChannels
 
-register("keycode2-c4-q")(type("KeyCode2C4Query", (KeyCodeChannels,),
-                              {"channel_divisor": 4, "choose_by": "query", "uses_queries": True}))
+
+class ByVariance(KeyCodeChannels):
+    def channel_worth(self, k, ok, mean, width, queries):
+        """The within-page variance of each channel."""
+        return torch.where(ok, (k - mean.unsqueeze(1)) ** 2, 0.0).sum(1)
+
+
+class ByQueryEnergy(ByVariance):
+    uses_queries = True
+
+    def channel_worth(self, k, ok, mean, width, queries):
+        """Variance x the query energy there, estimated from the queries that filled the page
+        (rotate-half RoPE turns channel c with c + D/2: their summed energy is the
+        position-free part): the expected squared logit error a channel's codes remove."""
+        var = super().channel_worth(k, ok, mean, width, queries)
+        if queries is None:
+            return var
+        qe = queries.float().pow(2).sum(1)                            # [N, D]
+        return var * (qe + qe.roll(k.shape[-1] // 2, dims=1))
+
+
+register("keycode2-c4-q")(type("KeyCode2C4Query", (ByQueryEnergy,), {"channel_divisor": 4}))
 for _div in (4, 8):
-    register(f"keycode2-c{_div}-var")(type(f"KeyCode2C{_div}Var", (KeyCodeChannels,),
-                                           {"channel_divisor": _div, "choose_by": "var"}))
+    register(f"keycode2-c{_div}-var")(type(f"KeyCode2C{_div}Var", (ByVariance,),
+                                           {"channel_divisor": _div}))
     register(f"keycode2-c{_div}-i8")(type(f"KeyCode2C{_div}I8", (KeyCodeChannels,),
                                           {"channel_divisor": _div, "int8_mean": True}))
 

@@ -51,9 +51,6 @@ class KeyCodeChannels(KeyCodes):
     summary_names = ("kmean", "klo", "khi", "chan", "codes")
     bits = BITS
     channel_divisor = 8
-    # which channels get codes: "width" (max - min in the page), "var" (within-page variance) or
-    # "query" (variance times the energy of the page's filling queries; needs uses_queries)
-    choose_by = "width"
     # the page mean as int8 times a per-page absmax scale (``kscale``) instead of the KV dtype
     int8_mean = False
 
@@ -93,16 +90,9 @@ class KeyCodeChannels(KeyCodes):
         lo = torch.where(ok, k, float("inf")).amin(1)
         hi = torch.where(ok, k, float("-inf")).amax(1)
         width = torch.where(num_tokens.view(-1, 1) > 0, hi - lo, 0.0)
-        if self.choose_by in ("var", "query"):
-            width = torch.where(ok, (k - mean.unsqueeze(1)) ** 2, 0.0).sum(1)
-        if self.choose_by == "query" and queries is not None:
-            # expected squared logit error a channel's codes remove: its variance times the
-            # query energy there, estimated from the queries that filled the page (rotate-half
-            # RoPE turns channel c with c + D/2: their summed energy is the position-free part)
-            qe = queries.float().pow(2).sum(1)                        # [N, D]
-            width = width * (qe + qe.roll(d // 2, dims=1))
-        # the widest channels, in channel order (ties: the lower channel)
-        chan = width.topk(r, dim=1).indices.sort(dim=1).values        # [N, r]
+        worth = self.channel_worth(k, ok, mean, width, queries)
+        # the r channels most worth coding, in channel order (ties: the lower channel)
+        chan = worth.topk(r, dim=1).indices.sort(dim=1).values        # [N, r]
         kc = k.gather(2, chan.unsqueeze(1).expand(n, ps, r))          # [N, ps, r]
         clo, chi = lo.gather(1, chan), hi.gather(1, chan)
         w = (chi - clo).clamp(min=1e-30).unsqueeze(1)
@@ -117,6 +107,13 @@ class KeyCodeChannels(KeyCodes):
         summaries["khi"][rows] = chi.to(summaries["khi"].dtype)
         summaries["chan"][rows] = pack_codes(chan, 8)
         summaries["codes"][rows] = pack_codes(code.reshape(n, ps * r), BITS)
+
+    def channel_worth(self, k, ok, mean, width, queries):
+        """[N, D]: how much coding each channel of each page is worth; the top r get codes.
+        The range (max - min) in the page: the worst case of the page mean's error there.
+        (Measured against the within-page variance and against variance x the filling
+        queries' energy: neither chose better; docs/results/fidelity.md.)"""
+        return width
 
     def _decoded(self, summaries, rows: torch.Tensor):
         """(kmean [*rows, D], chan [*rows, r] int64, deviation of the coded channels from the
