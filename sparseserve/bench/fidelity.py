@@ -119,16 +119,14 @@ def _f(x) -> str:
 DENSE_LAYER_COST = 0.01
 
 
-def choose_default(rows: list[dict], budgets: list[int], also=()) -> dict:
+def choose_default(rows: list[dict], budgets: list[int]) -> dict:
     """The serving configuration (algorithm, sink, local, dense layers) with the best mean
     top-1 agreement over `budgets` at the longest length, each dense layer charged
     DENSE_LAYER_COST; ties (within 0.1 point) go to fewer dense layers, then fewer kept pages,
-    then lower KL. Candidates: the SERVING algorithms and those in `also` (the swept ones:
-    an evaluation script's registered variants)."""
+    then lower KL. ValueError when no SERVING algorithm ran at every budget."""
     by_cfg: dict[tuple, list[dict]] = {}
-    allowed = set(SERVING) | set(also)
     for r in rows:
-        if r["algorithm"] in allowed and r["token_budget"] in budgets:
+        if r["algorithm"] in SERVING and r["token_budget"] in budgets:
             k = (r["algorithm"], r["sink_pages"], r["local_pages"], r["dense_layers"])
             by_cfg.setdefault(k, []).append(r)
     cands = []
@@ -139,8 +137,8 @@ def choose_default(rows: list[dict], budgets: list[int], also=()) -> dict:
         kl = sum(r["kl"] for r in rs) / len(rs)
         cands.append((top1 - DENSE_LAYER_COST * k[3], k, kl, top1))
     if not cands:
-        raise ValueError(f"no default candidate: no row of {sorted(allowed)} at every budget "
-                         f"{budgets}; sweep a serving algorithm (--sweep-algorithms)")
+        raise ValueError(f"no default candidate: no serving algorithm ({', '.join(SERVING)}) "
+                         f"ran at every budget {budgets}; add one to --algorithms")
     best = max(c[0] for c in cands)
     near = [c for c in cands if c[0] >= best - 0.001]
     _, k, kl, top1 = min(near, key=lambda c: (c[1][3], c[1][1] + c[1][2], c[2]))
@@ -206,7 +204,7 @@ def run_fidelity(args, log=print, save=None) -> dict:
                     rows.append(tf.run(Setting(a, b, **combo), "sweep"))
             rows = [r for r in rows if r is not None]
             default = choose_default([r for r in rows if r["length"] == longest],
-                                     sweep_budgets, also=sweep_algos)
+                                     sweep_budgets)
             out["default"] = default
             log(f"default: {default}")
         d = out["default"]
