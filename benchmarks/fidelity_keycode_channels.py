@@ -5,14 +5,17 @@
   variance instead of width (max - min);
 * ``keycode2-c4-q`` — chosen by within-page variance times the energy of the page's filling
   queries (rotate-half pairs summed), the query-aware estimate of the logit error removed;
-* ``keycode2-c4-i8`` / ``keycode2-c8-i8`` — the page mean stored as int8 times a per-page
-  absmax scale (D + 4 bytes instead of 2 D at bf16).
+* ``keycode2-c4-f`` / ``keycode2-c8-f`` — the page mean in the KV dtype (2 D bytes at bf16)
+  instead of int8 times a per-page absmax scale (D + 4 bytes). Until 2026-12-03 the
+  registered keycode2-c4 / -c8 had the float mean and this variant was the int8 one, named
+  ``-i8``: the JSON rows of docs/results/data/fidelity_keycode_channels_*.json carry the old
+  names (``keycode2-c4`` = float mean, ``keycode2-c4-i8`` = today's keycode2-c4).
 
 They are real algorithms with their own summaries (registered here, evaluated like any other,
 fast mode through ``KeyCodes.approx_keys``).
 
     nice -n 5 python benchmarks/fidelity_keycode_channels.py --lengths 8192 --budgets 512 2048 \\
-        --algorithms keycode2-c4 keycode2-c4-var keycode2-c4-i8 --num-texts 2 --tail 256 \\
+        --algorithms keycode2-c4 keycode2-c4-var keycode2-c4-f --num-texts 2 --tail 256 \\
         --sweep-algorithms keycode2-c4 --sweep-settings s1l2d0 --no-needle --no-plot --out OUT
 """
 from __future__ import annotations
@@ -50,8 +53,8 @@ register("keycode2-c4-q")(type("KeyCode2C4Query", (ByQueryEnergy,), {"channel_di
 for _div in (4, 8):
     register(f"keycode2-c{_div}-var")(type(f"KeyCode2C{_div}Var", (ByVariance,),
                                            {"channel_divisor": _div}))
-    register(f"keycode2-c{_div}-i8")(type(f"KeyCode2C{_div}I8", (KeyCodeChannels,),
-                                          {"channel_divisor": _div, "int8_mean": True}))
+    register(f"keycode2-c{_div}-f")(type(f"KeyCode2C{_div}Float", (KeyCodeChannels,),
+                                         {"channel_divisor": _div, "int8_mean": False}))
 
 
 def main(argv=None) -> int:
