@@ -20,8 +20,9 @@ is ``klo + (khi - klo) * level(code)``; pages are scored exactly as ``keycode2``
 (approximate token attention mass: per query head a softmax over every token of the full
 pages, summed per page and over the GQA group; ``KeyCodes.from_token_logits``).
 
-Bytes per page and KV head at page 32, bf16 (any head_dim, r = D / 8 | D / 4):
-``D + 4 + 4r + r + 8r`` B = 2.0 % (``keycode2-c8``) / 3.3 % (``keycode2-c4``) of the page's K+V
+Bytes per page and KV head at page 32, bf16 (any head_dim, r = D / 8 | D / 4 | D / 2):
+``D + 4 + 4r + r + 8r`` B = 2.0 % (``keycode2-c8``) / 3.3 % (``keycode2-c4``) / 5.9 %
+(``keycode2-c2``) of the page's K+V
 bytes, against ArkVale's 3.1 % and keycode2's 9.4 % (a bf16 mean: 2.8 % / 4.1 %).
 
 ``score`` computes the logits without decoding whole keys: ``q . kmean`` per page plus
@@ -163,6 +164,13 @@ class KeyCodeChannels(KeyCodes):
             bits=BITS, kmean=summaries["kmean"], chan=summaries["chan"],
             kscale=summaries["kscale"] if self.int8_mean else None)
         return Selection(pages, num_sel, last_page_len, blocks)
+
+
+@register("keycode2-c2")
+class KeyCode2Half(KeyCodeChannels):
+    """2-bit codes on head_dim / 2 channels per page (5.9 % of the KV bytes)."""
+
+    channel_divisor = 2
 
 
 @register("keycode2-c8")

@@ -10,7 +10,7 @@ from sparseserve.sparse.keycodes import unpack_codes
 from tests.kvcache.test_offload_engine import (check_forced_offload_equals_resident,  # noqa: F401
                                                model_dir)
 
-ALGOS = ["keycode2-c8", "keycode2-c4"]
+ALGOS = ["keycode2-c8", "keycode2-c4", "keycode2-c2"]
 
 
 def _indexed(algo, keys, num_tokens):
