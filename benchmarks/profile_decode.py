@@ -106,9 +106,10 @@ def main(argv=None) -> int:
     p.add_argument("--timed", type=int, default=20)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--model", default="llama-3-8b",
+                   help="a dummy-weight shape (llama-3-8b, lwm-7b, ...)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     a = p.parse_args(argv)
-    a.model = "llama-3-8b"
     if a.smoke:
         import tempfile
 

@@ -89,7 +89,7 @@ def _victim_key_kernel(last_ptr, owner_ptr, quota_ptr, resident_ptr, step_ptr, k
                        KEYS_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """key (higher = evicted earlier): 0 used this step | 1..B in quota | B+1..2B over
     quota | 2B+1 free (kvcache/eviction.py's layout), its count, and this program's
-    histogram row hist[pid, :] (for place's offsets)."""
+    histogram column hist[:, pid] (for place's offsets; key-major, see category_lru_order)."""
     s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = s < S
     last = tl.load(last_ptr + s, mask=ok, other=-1)
@@ -105,7 +105,7 @@ def _victim_key_kernel(last_ptr, owner_ptr, quota_ptr, resident_ptr, step_ptr, k
     tl.store(key_ptr + s, key, mask=ok)
     h = tl.histogram(key, KEYS_PAD, mask=ok)
     k = tl.arange(0, KEYS_PAD)
-    tl.store(hist_ptr + tl.program_id(0) * KEYS_PAD + k, h)
+    tl.store(hist_ptr + k * tl.num_programs(0) + tl.program_id(0), h)
     tl.atomic_add(counts_ptr + k, h, mask=(k < 2 * NUM_BUCKETS + 2) & (h > 0))
 
 
@@ -115,7 +115,7 @@ def _place_kernel(key_ptr, counts_ptr, offs_ptr, need_ptr, out_ptr, S,
     """out[first positions] = slots, highest key first, as far as the `need` (= need_ptr[0])
     victims reach: keys from the top while their first position is < need. The program's
     slots of key k go to above[k] + offs[pid, k] + their rank among them (offs: the slots of
-    key k in earlier programs, an exclusive scan of victim_key's histogram rows). No
+    key k in earlier programs, an exclusive scan along victim_key's histogram rows). No
     atomics: positions are exact and deterministic. Same BLOCK as victim_key."""
     pid = tl.program_id(0)
     s = pid * BLOCK + tl.arange(0, BLOCK)
@@ -125,7 +125,7 @@ def _place_kernel(key_ptr, counts_ptr, offs_ptr, need_ptr, out_ptr, S,
     counts = tl.load(counts_ptr + kidx, mask=kidx < NUM_KEYS, other=0)
     # first position of key k when keys are laid out from the highest down
     above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0)
-    offs = tl.load(offs_ptr + pid * KEYS_PAD + kidx)
+    offs = tl.load(offs_ptr + kidx * tl.num_programs(0) + pid)
     need = tl.load(need_ptr)
     kk = NUM_KEYS - 1
     first = tl.sum(tl.where(kidx == kk, above, 0), axis=0)
@@ -185,10 +185,13 @@ def category_lru_order(last_access, owner_row, row_quota, step, num_buckets: int
                            R_PAD=triton.next_power_of_2(R), BLOCK=BLOCK)
     key = torch.empty(S, dtype=torch.int32, device=dev)
     pad = triton.next_power_of_2(nk)
-    hist = torch.empty((grid[0], pad), dtype=torch.int32, device=dev)
+    # key-major [keys, programs], so the scan over programs runs along the innermost dim:
+    # torch scans an outer dim with one thread per column, sequentially (measured on the
+    # H200: 29 us per layer for 160 programs, 10 % of an offloaded batch-1 decode step)
+    hist = torch.empty((pad, grid[0]), dtype=torch.int32, device=dev)
     _victim_key_kernel[grid](last_access, owner_row, row_quota, resident, step, key, counts,
                              hist, S, NUM_BUCKETS=num_buckets, KEYS_PAD=pad, BLOCK=BLOCK)
-    offs = torch.cumsum(hist, 0, dtype=torch.int32) - hist  # exclusive over programs
+    offs = torch.cumsum(hist, 1, dtype=torch.int32) - hist  # exclusive over programs
     if need is None:
         need = torch.full((1,), S, dtype=torch.int32, device=dev)
     out = torch.empty(S, dtype=torch.int64, device=dev)
