@@ -1,12 +1,20 @@
 """FlashH2D: one Triton kernel gathers many KV pages straight from pinned host memory (UVA).
 
-Grid ``(N, 2)``: program ``(i, 0)`` copies the K page ``src_pages[i]`` of the host tier into
-slot ``dst_slots[i]`` of the device tier, program ``(i, 1)`` the V page. Each program streams
-its ``page_size * head_dim`` contiguous elements in vectorised blocks (an integer view of the
-data, so copies are bit-exact for any dtype). Entries with ``src_pages[i] < 0`` are skipped
-(masked); with ``num_live`` (a device count of a compacted list) programs past it return at
-once. Fixed grid, no host synchronisation: capturable in a CUDA graph once compiled (call it
-once before capture).
+Grid ``(min(N, max_programs), 2)``: program ``(i, 0)`` copies the K pages of entries ``i, i +
+G, i + 2G, ...`` (G = the grid's width) from the host tier into their slots of the device tier,
+program ``(i, 1)`` the V pages. Each page is ``page_size * head_dim`` contiguous elements,
+streamed in vectorised blocks (an integer view of the data, so copies are bit-exact for any
+dtype). Entries with ``src_pages[i] < 0`` are skipped (masked); with ``num_live`` (a device
+count of a compacted list) the loop stops there. Fixed grid, no host synchronisation:
+capturable in a CUDA graph once compiled (call it once before capture).
+
+Why the cap: a decode step's list has an entry per selected page (B x Hkv x pages per row,
+32k at batch 16 on Llama-3-8B) while a few percent of them miss, and the list is compacted on
+the device, so its live length is unknown when the graph is launched. One program per entry
+spent ~8 us per layer launching 4,096 programs that found nothing to do (H200, LWM-7B decode
+at batch 1, ``docs/results/system.md``), growing with the batch. 512 entries in flight (1,024
+programs of 8-16 KB page copies each) keep several MB in flight, far more than PCIe's
+bandwidth-delay product.
 
 On a GPU the host tensors are passed to the kernel as they are: the pointer of page-locked
 memory (``pin_memory=True``) is valid on the device under unified virtual addressing, so the
@@ -27,6 +35,7 @@ patch_triton_interpreter()
 __all__ = ["flash_load_pages", "torch_load_pages"]
 
 DEFAULT_BLOCK_BYTES = 16384
+DEFAULT_MAX_PROGRAMS = 512  # entries in flight (module doc: why a cap)
 
 
 @triton.jit
@@ -46,12 +55,11 @@ def _flash_h2d_kernel(
     PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr,
     PAGE_BYTES: tl.constexpr, HAS_COUNTER: tl.constexpr, HAS_NUM_LIVE: tl.constexpr,
 ):
-    i = tl.program_id(0)
     kv = tl.program_id(1)
     n = N
     if HAS_NUM_LIVE:  # compacted lists: only the first num_live entries can be live
         n = tl.minimum(tl.load(live_ptr).to(tl.int32), N)
-    if i < n:  # past the live prefix a program returns after one load
+    for i in range(tl.program_id(0), n, tl.num_programs(0)):
         src = tl.load(src_ptr + i).to(tl.int64)
         dst = tl.load(dst_ptr + i).to(tl.int64)
         live = src >= 0
@@ -73,7 +81,9 @@ def _flash_h2d_kernel(
 
 
 def flash_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, counter=None,
-                     num_live=None, *, block_bytes: int = DEFAULT_BLOCK_BYTES, num_warps: int | None = None) -> None:
+                     num_live=None, *, block_bytes: int = DEFAULT_BLOCK_BYTES,
+                     num_warps: int | None = None,
+                     max_programs: int = DEFAULT_MAX_PROGRAMS) -> None:
     """Load host pages into device slots with one Triton kernel (see module doc).
 
     Args:
@@ -87,6 +97,8 @@ def flash_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, counter
                                            on the device only); programs past it return
         block_bytes:    bytes a program moves per loop iteration (tuning knob)
         num_warps:      warps per program (default: 4 up to 8 KB blocks, else 8)
+        max_programs:   entries in flight (the grid's width; each program loops over every
+                        max_programs-th entry)
     Ids are not range-checked (no host sync): the caller guarantees 0 <= src < P, dst < S
     (debug builds, TRITON_DEBUG=1, assert it on the device).
     Runs on the current stream.
@@ -111,7 +123,9 @@ def flash_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, counter
         assert counter.dtype == torch.int64 and counter.numel() >= 2 and counter.device == dev
     cnt = counter if has_counter else src_pages
     has_live = num_live is not None
-    launch = _flash_h2d_kernel[(N, 2)]
+    if max_programs < 1:
+        raise ValueError(f"max_programs must be >= 1, got {max_programs}")
+    launch = _flash_h2d_kernel[(min(N, max_programs), 2)]
     args = (hk, hv, dk, dv, src_pages, dst_slots, cnt, num_live if has_live else src_pages, N,
             hk.shape[0], dk.shape[0],
             hk.stride(0), hv.stride(0), dk.stride(0), dv.stride(0))

@@ -99,6 +99,23 @@ def test_page_loader_counters(method, backend):
     assert loader.stats().pages == 0
 
 
+@pytest.mark.parametrize("max_programs", [1, 3, 16])
+def test_flash_grid_narrower_than_the_list(max_programs):
+    """Each program loops over every max_programs-th entry (the capped grid of decode steps'
+    long, mostly-hit lists): the slots and the counters equal one program per entry's."""
+    hk, hv, dk, dv, src, dst = _case(54, 16, 32, torch.bfloat16, seed=max_programs)
+    ek, ev = _expected(hk, hv, dk, dv, src, dst)
+    counter = torch.zeros(2, dtype=torch.int64, device=DEV)
+    flash_load_pages(hk, hv, dk, dv, src, dst, counter, max_programs=max_programs)
+    sync()
+    assert same_bits(dk, ek) and same_bits(dv, ev)
+    live = int((src >= 0).sum())
+    assert 0 < live < 54
+    assert counter.tolist() == [live, live * 2 * 16 * 32 * 2]
+    with pytest.raises(ValueError, match="max_programs"):
+        flash_load_pages(hk, hv, dk, dv, src, dst, max_programs=0)
+
+
 def test_bad_arguments():
     hk, hv, dk, dv, src, dst = _case(5, 16, 32, torch.float32, seed=1)
     with pytest.raises(ValueError):
