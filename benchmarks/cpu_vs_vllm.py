@@ -41,7 +41,12 @@ def export_hf(out_dir: str) -> None:
     d, f = os.path.dirname(path), os.path.basename(path)
     loaded = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
     # a GGUF-loaded model refuses save_pretrained: copy its dequantised weights into a plain one
-    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    config = loaded.config
+    # the weights saved are plain fp32: a kept `quantization_config: gguf` makes vllm refuse
+    # the folder ("Unknown quantization method: gguf")
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
     model.save_pretrained(out_dir, safe_serialization=True)
