@@ -1,10 +1,12 @@
 """Where a hybrid step's time goes (a prefill chunk or layer segment plus decode rows):
 torch.profiler over the steps that prefill one long prompt while a batch decodes, per preset
-(dummy Llama-3-8B weights). Reports wall ms per step against device (kernel) ms per step —
+(dummy weights of --model's shape). Reports wall ms per step against device (kernel) ms per step —
 host-bound when wall >> device — and the top kernels and top CPU ops. A diagnostic for the
 end-to-end results (docs/results/system.md).
 
     python benchmarks/profile_hybrid.py --out $OUT/hybrid.json --configs dense,sparseserve
+    python benchmarks/profile_hybrid.py --out $OUT/hybrid_lwm.json --model lwm-7b \
+        --configs dense,sparseserve --batch 4 --context 4000 --prompt 16000 --host-gib 48
 """
 from __future__ import annotations
 
@@ -98,9 +100,10 @@ def main() -> int:
     p.add_argument("--token-budget", type=int, default=2048)
     p.add_argument("--kv-gib", type=float, default=20)
     p.add_argument("--host-gib", type=float, default=24)
+    p.add_argument("--model", default="llama-3-8b",
+                   help="a dummy-weight shape (llama-3-8b, lwm-7b, ...)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     a = p.parse_args()
-    a.model = "llama-3-8b"
     if a.smoke:
         import tempfile
 
