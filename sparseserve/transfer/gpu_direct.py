@@ -26,6 +26,10 @@ patch_triton_interpreter()
 
 __all__ = ["gpu_direct_save", "GpuDirectSaver"]
 
+# programs a side-stream save launches (None: one per 16-token block and head); see
+# gpu_direct_save's max_programs and benchmarks/save_overlap.py for the measurement behind it
+SIDE_STREAM_MAX_PROGRAMS: int | None = None
+
 
 @triton.jit
 def _gpu_direct_kernel(
@@ -141,7 +145,8 @@ class GpuDirectSaver(EventTicketSaver):
             if backend == "auto":
                 backend = "triton" if dev.type == "cuda" else "torch"
             if backend == "triton":
-                gpu_direct_save(hk, hv, a.k, a.v, pages, offs)
+                cap = SIDE_STREAM_MAX_PROGRAMS if side is not None else None
+                gpu_direct_save(hk, hv, a.k, a.v, pages, offs, max_programs=cap)
             else:
                 _torch_save(hk, hv, a.k, a.v, pages, offs)
             event = None
