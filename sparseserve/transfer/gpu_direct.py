@@ -26,9 +26,11 @@ patch_triton_interpreter()
 
 __all__ = ["gpu_direct_save", "GpuDirectSaver"]
 
-# programs a side-stream save launches (None: one per 16-token block and head); see
+# programs a side-stream save launches (None: one per 16-token block and head). Uncapped, a
+# long layer's ~65k programs hold SMs that the persistent GEMMs wait for; 64 measured best of
+# none/64/256 in a hybrid LWM-7B step (docs/results/system.md, eleventh session). See
 # gpu_direct_save's max_programs and benchmarks/save_overlap.py for the measurement behind it
-SIDE_STREAM_MAX_PROGRAMS: int | None = None
+SIDE_STREAM_MAX_PROGRAMS: int | None = 64
 
 
 @triton.jit
