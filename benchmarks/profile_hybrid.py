@@ -26,20 +26,26 @@ CONFIGS = {"dense": dict(preset="dense"), "sparseserve": dict(preset="sparseserv
 
 def profile(name: str, a) -> dict:
     """name: a CONFIGS key, optionally "@N": side-stream GPU-direct saves capped at N programs
-    (gpu_direct.SIDE_STREAM_MAX_PROGRAMS; "@none": uncapped)."""
+    for this config only (gpu_direct.SIDE_STREAM_MAX_PROGRAMS; "@none": uncapped)."""
+    from sparseserve.transfer import gpu_direct
+
+    name, _, cap = name.partition("@")
+    default = gpu_direct.SIDE_STREAM_MAX_PROGRAMS
+    if cap:
+        gpu_direct.SIDE_STREAM_MAX_PROGRAMS = None if cap == "none" else int(cap)
+    try:
+        return _profile(name, a)
+    finally:
+        gpu_direct.SIDE_STREAM_MAX_PROGRAMS = default
+
+
+def _profile(name: str, a) -> dict:
     import numpy as np
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from sparseserve import LLM, SamplingParams
-    from sparseserve.transfer import gpu_direct
-
-    name, _, cap = name.partition("@")
-    default = getattr(profile, "default_cap", gpu_direct.SIDE_STREAM_MAX_PROGRAMS)
-    profile.default_cap = default
-    gpu_direct.SIDE_STREAM_MAX_PROGRAMS = default if not cap else \
-        None if cap == "none" else int(cap)
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -4,9 +4,13 @@ pages by UVA (the host tensor is passed to the kernel; its pointer is valid on t
 row to ``host[page, offset]``. ``gpu_direct_save`` runs on the current stream (it occupies SMs
 and PCIe while compute waits on the stream: the cost the papers measure for a synchronous
 save). ``GpuDirectSaver(side_stream=True)`` (the default on CUDA) launches it on a side stream
-that first waits for the compute stream's event, so the save overlaps the next layers' compute
-and no CPU thread touches the bytes (FlashD2H's scatter threads do: 10-14 GB/s with 8 threads
-on the H200 host, against 46-51 GB/s here, docs/results/transfer.md). On CPU tensors the kernel
+that first waits for the compute stream's event, so the save runs beside the next layers'
+compute and no CPU thread touches the bytes (FlashD2H's scatter threads do: 10-14 GB/s with 8
+threads on the H200 host, against 46-51 GB/s here, docs/results/transfer.md). Beside is not
+free: the saving programs hold SMs while their writes drain over PCIe, and a GEMM running at the
+same time took about as long as the two back to back at every grid cap measured
+(benchmarks/save_overlap.py, H200); the cap below still brought the engine's hybrid step from
+~1.1x to 1.01x dense's. On CPU tensors the kernel
 runs in Triton's interpreter (``backend="triton"``) or as torch indexing (``"torch"``, the
 default for CPU tensors).
 """
@@ -27,9 +31,9 @@ patch_triton_interpreter()
 __all__ = ["gpu_direct_save", "GpuDirectSaver"]
 
 # programs a side-stream save launches (None: one per 16-token block and head). Uncapped, a
-# long layer's ~65k programs hold SMs that the persistent GEMMs wait for; 64 measured best of
-# none/64/256 in a hybrid LWM-7B step (docs/results/system.md, eleventh session). See
-# gpu_direct_save's max_programs and benchmarks/save_overlap.py for the measurement behind it
+# long layer's ~65k programs fill every SM until they drain over PCIe; 64 measured best of
+# none/64/256 in a hybrid LWM-7B step (benchmarks/profile_hybrid.py, docs/results/system.md,
+# eleventh session)
 SIDE_STREAM_MAX_PROGRAMS: int | None = 64
 
 
