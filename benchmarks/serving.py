@@ -9,6 +9,9 @@ in the same run (definitions: serving_report.py).
   # docs/results/serving.md); presets run in the order given, the table lists dense first
   python benchmarks/serving.py --out $OUT/serving_lwm7b.json --model lwm-7b \
       --presets sparseserve,dense --rates 0.5,1,2,inf --num-prompts 24 --time-budget-s 480
+  # a goodput sweep: each configuration at rates around its own saturation
+  python benchmarks/serving.py --out $OUT/goodput.json --model lwm-7b --presets sparseserve,dense \
+      --rates-of sparseserve=1,1.5,2 --rates-of dense=0.25,0.5,0.75 --num-prompts 32
   # Figure 13's ladder (one rung per configuration; --presets lists them in order)
   python benchmarks/serving.py --out $OUT/ladder.json --model lwm-7b --rates 2 \
       --presets sparse,sparse-offload,sparse-offload+ft,sparse-offload+ft+wc,sparse-offload+ft+wc+lp
@@ -225,8 +228,9 @@ def run_preset(a, preset: str, model: str, vocab: int, device: str, dtype: str, 
                               random_output_len=a.random_output_len)
         rec["prompt_tokens"] = sum(r.prompt_len for r in reqs)
         rec["max_tokens"] = sum(r.output_len for r in reqs)
-        for j, rate in enumerate(a.rates):
-            spans = [float(arrival_offsets(a.num_prompts, r, 1.0, a.seed)[-1]) for r in a.rates[j:]]
+        rates = a.rates_of.get(preset, a.rates)
+        for j, rate in enumerate(rates):
+            spans = [float(arrival_offsets(a.num_prompts, r, 1.0, a.seed)[-1]) for r in rates[j:]]
             left = stop_at - time.perf_counter()
             cap = spans[0] + max(0.0, left - sum(spans)) / len(spans)
             cap = min(cap, left, a.point_budget_s or math.inf)
@@ -276,6 +280,9 @@ def parse_args(argv=None):
                    help="decode steps of the working-set window of `sparseserve` (the preset with "
                         "working-set control; the engine default when unset)")
     p.add_argument("--rates", default="0.5,1,2,inf", help="comma list of request rates (req/s; inf)")
+    p.add_argument("--rates-of", action="append", default=[], metavar="NAME=R1,R2",
+                   help="rates of one configuration instead of --rates (repeatable): a goodput "
+                        "sweep probes dense below its saturation and sparseserve around its own")
     p.add_argument("--num-prompts", type=int, default=24)
     add_workload_args(p)
     p.add_argument("--tbt-slo-ms", type=float, default=None,
@@ -305,8 +312,16 @@ def parse_args(argv=None):
         a.kv_cache_gib, a.host_gib, a.token_budget = 0.004, 0.05, 128
         a.warmup_lens, a.warmup_max_tokens, a.min_point_s = "100,300", 4, 0.0
     a.warmup_lens = [int(x) for x in E.split_list(a.warmup_lens)]
-    if any(not r > 0 for r in a.rates):
-        raise SystemExit("--rates: every rate must be > 0 (or inf)")
+    rates_of = {}
+    for item in a.rates_of:
+        name, sep, rates = item.partition("=")
+        if not sep or name not in a.names:
+            raise SystemExit(f"--rates-of {item!r}: expected NAME=R1,R2 with NAME one of the "
+                             f"configurations run ({', '.join(a.names)})")
+        rates_of[name] = [float(x) for x in E.split_list(rates)]
+    a.rates_of = rates_of
+    if any(not r > 0 for rs in (a.rates, *rates_of.values()) for r in rs):
+        raise SystemExit("--rates / --rates-of: every rate must be > 0 (or inf)")
     return a
 
 
@@ -316,6 +331,8 @@ def main(argv=None) -> int:
     deadline = C.Deadline(a.time_budget_s)
     settings = {k: v for k, v in vars(a).items() if k != "names"}
     settings["rates"] = ["inf" if math.isinf(r) else r for r in a.rates]
+    settings["rates_of"] = {k: ["inf" if math.isinf(r) else r for r in v]
+                            for k, v in a.rates_of.items()}
     result = {"meta": C.meta(argv), "settings": {**settings, "presets": a.names, "device": device,
                                                  "dtype": dtype},
               "presets": {}, "errors": []}

@@ -87,7 +87,11 @@ def compare(result: dict) -> dict:
         best = max(ttfts, key=lambda r: r["ttft_x_lower"], default=None)
         top = max(per_rate, key=lambda r: rate_value(r["rate"]), default=None)
         sat = _div(peak, dense_peak)
+        g, g_dense = rec.get("goodput_rate"), result["presets"]["dense"].get("goodput_rate")
         out[name] = {
+            # goodput ratio: both rates measured and finite (an `inf` goodput has no ratio)
+            "goodput_x": (_div(rate_value(g), rate_value(g_dense)) if None not in (g, g_dense)
+                          and math.isfinite(rate_value(g) * rate_value(g_dense)) else None),
             "per_rate": per_rate,
             "saturation_throughput_x": sat,
             "throughput_x_at_highest_rate": top and top["throughput_x"],
@@ -147,7 +151,8 @@ def table(result: dict) -> str:
                 f"mean TTFT {_x(c['ttft_x_lower_best'])}x lower at rate "
                 f"{c['ttft_x_lower_best_rate']} ({c['ttft_x_lower_best_quality']}; target >= "
                 f"{TARGETS['ttft_x_lower']}x: {_met(c['ttft_target_met'])}), "
-                f"{_x(c['ttft_x_lower_at_highest_rate'])}x at the highest rate")
+                f"{_x(c['ttft_x_lower_at_highest_rate'])}x at the highest rate; goodput "
+                f"{_x(c.get('goodput_x'))}x")
     if result.get("errors"):
         out += "\nerrors: " + "; ".join(f"{e['part']}: {e['error'][:120]}" for e in result["errors"])
     return out

@@ -117,6 +117,34 @@ def test_ratio_rules():
     assert R.goodput(result["presets"]["sparseserve"]["points"], 5.0, 2.0) is None
     result["comparison"] = R.compare(result)
     assert "sparseserve vs dense" in R.table(result)
+    assert result["comparison"]["sparseserve"]["goodput_x"] is None  # no goodput rates yet
+    result["presets"]["dense"]["goodput_rate"] = 0.5
+    result["presets"]["sparseserve"]["goodput_rate"] = 1.5
+    assert R.compare(result)["sparseserve"]["goodput_x"] == pytest.approx(3.0)
+    result["presets"]["sparseserve"]["goodput_rate"] = "inf"  # no finite ratio
+    assert R.compare(result)["sparseserve"]["goodput_x"] is None
+
+
+def test_rates_of_each_configuration(tmp_path):
+    """--rates-of gives one configuration its own rates (a goodput sweep probes dense below
+    its saturation); a name not run, or a rate <= 0, is an error that says what to pass."""
+    a = S.parse_args(["--smoke", "--out", "x.json", "--presets", "sparseserve,dense",
+                      "--rates-of", "dense=0.25,0.5"])
+    assert a.rates_of == {"dense": [0.25, 0.5]} and a.rates == [2.0, math.inf]
+    for bad in ("sparse=1", "dense", "dense=0,1"):
+        with pytest.raises(SystemExit, match="--rates"):
+            S.parse_args(["--smoke", "--out", "x.json", "--presets", "sparseserve,dense",
+                          "--rates-of", bad])
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "serving.py"),
+                           "--smoke", "--out", str(out), "--presets", "sparseserve,dense",
+                           "--rates", "inf", "--rates-of", "dense=7,13"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert [p["rate"] for p in r["presets"]["dense"]["points"]] == [7.0, 13.0]
+    assert [p["rate"] for p in r["presets"]["sparseserve"]["points"]] == ["inf"]
+    assert r["settings"]["rates_of"] == {"dense": [7.0, 13.0]}
 
 
 def _documented_gpu_command() -> list[str]:
