@@ -188,17 +188,19 @@ def plots(result: dict, path: str) -> str:
 
 def ladder_plots(result: dict, path: str) -> str | None:
     """SparseServe's Figures 13, 15 and 16a from the ladder's rungs in the run (None if fewer
-    than two): per rung its goodput (the highest rate meeting the SLOs), and at the highest rate
-    every rung ran, output tokens/s, DRAM pages loaded per decode-only step, mean TTFT."""
-    rungs = [(n, result["presets"][n]) for n in LADDER_ORDER if n in result["presets"]]
-    if len(rungs) < 2:
+    than two): per rung its goodput (the highest rate meeting the SLOs; `dense` first when the
+    run has it), and at the highest rate every rung ran (dense aside), output tokens/s, DRAM
+    pages loaded per decode-only step, mean TTFT."""
+    rungs = [(n, result["presets"][n]) for n in ORDER if n in result["presets"]]
+    if len([n for n, _ in rungs if n != "dense"]) < 2:
         return None
-    rates = [{rate_value(p["rate"]) for p in r.get("points", []) if p.get("completed")}
-             for _, r in rungs]
+    rates = [{rate_value(p["rate"]) for p in r.get("points", []) if p.get("completed") is not None}
+             for n, r in rungs if n != "dense"]
     common = set.intersection(*rates) if all(rates) else set()
     top = max(common) if common else None
-    at_top = [next((p for p in r["points"] if p.get("completed")
-                    and rate_value(p["rate"]) == top), None) for _, r in rungs]
+    at_top = [None if n == "dense" else
+              next((p for p in r["points"] if p.get("completed") is not None
+                    and rate_value(p["rate"]) == top), None) for n, r in rungs]
 
     def loads(p):
         d = ((p or {}).get("steps") or {}).get("decode_only") or {}
@@ -226,10 +228,38 @@ def ladder_plots(result: dict, path: str) -> str | None:
     return C.save_figure(fig, path)
 
 
-def main(argv=None) -> int:
-    for path in (argv if argv is not None else sys.argv[1:]):
+def merged(paths: list[str]) -> dict:
+    """One result from several runs' JSONs (a ladder split over device commands): the presets
+    of every file, a preset in two files taken from the later one, errors concatenated."""
+    out: dict = {"presets": {}, "errors": [], "sources": list(paths)}
+    for path in paths:
         with open(path) as f:
-            print(table(json.load(f)))
+            r = json.load(f)
+        out["presets"].update(r.get("presets", {}))
+        out["errors"] += r.get("errors", [])
+    return out
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="print the summary table of serving.py results")
+    p.add_argument("results", nargs="+", help="serving.py JSON files")
+    p.add_argument("--ladder-figure", default=None, metavar="PNG",
+                   help="merge the files' presets and draw the ladder (Figures 13/15/16a)")
+    a = p.parse_args(argv)
+    if a.ladder_figure is None:
+        for path in a.results:
+            with open(path) as f:
+                print(table(json.load(f)))
+        return 0
+    result = merged(a.results)
+    result["comparison"] = compare(result)
+    print(table(result))
+    if ladder_plots(result, a.ladder_figure) is None:
+        raise SystemExit("--ladder-figure: the files hold fewer than two rungs of the ladder "
+                         f"({', '.join(LADDER_ORDER)})")
+    print("wrote", a.ladder_figure)
     return 0
 
 

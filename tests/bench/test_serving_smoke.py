@@ -199,3 +199,31 @@ def test_ladder_rungs_run(tmp_path):
         (p,) = r["presets"][name]["points"]
         assert p["completed"] == r["settings"]["num_prompts"] and not p["truncated"]
     assert os.path.exists(r["ladder_figure"])  # Figures 13, 15, 16a over the rungs
+
+
+def test_ladder_figure_merges_runs(tmp_path):
+    """A ladder split over device commands: serving_report.py merges the files' presets (a
+    preset in two files from the later one), prints one table and draws the ladder; files
+    with fewer than two rungs are an error that says which rungs it needs."""
+    def pt(rate, done=5):
+        return {"rate": rate, "completed": done, "num_prompts": 5, "out_tok_s": 10.0 * rate,
+                "mean_ttft_ms": 100.0, "truncated": done < 5, "p99_itl_ms": 10.0,
+                "mean_itl_ms": 5.0, "mean_queue_s": 0.1,
+                "steps": {"decode_only": {"pages_loaded_per_step": 3.0}}}
+    files = []
+    for i, presets in enumerate([
+            {"dense": {"points": [pt(0.5)], "goodput_rate": 0.5}},
+            {"sparse-offload+ft": {"points": [pt(1.0), pt(2.0, done=0)], "goodput_rate": 1.0},
+             "sparseserve": {"points": [pt(2.0)], "goodput_rate": 9.0}},
+            {"sparseserve": {"points": [pt(1.0), pt(2.0)], "goodput_rate": 2.0}}]):
+        f = tmp_path / f"r{i}.json"
+        f.write_text(json.dumps({"presets": presets, "errors": []}))
+        files.append(str(f))
+    m = R.merged(files)
+    assert list(m["presets"]) == ["dense", "sparse-offload+ft", "sparseserve"]
+    assert m["presets"]["sparseserve"]["goodput_rate"] == 2.0  # the later file wins
+    png = tmp_path / "ladder.png"
+    assert R.main(files + ["--ladder-figure", str(png)]) == 0 and png.stat().st_size > 0
+    assert R.compare(m)["sparseserve"]["goodput_x"] == pytest.approx(4.0)
+    with pytest.raises(SystemExit, match="fewer than two rungs"):
+        R.main([files[0], "--ladder-figure", str(tmp_path / "x.png")])
