@@ -2,8 +2,10 @@
 
 A rank's HBM holds (MemoryPlan, bytes per rank):
   weights      its parameters (param_count x dtype size): exact
-  activations  the largest step's transient buffers + 2 GiB slack (CUDA context, allocator,
-               collectives): an allowance (activation_bytes)
+  activations  the largest step's transient buffers (step_tokens of them) + 2 GiB slack (CUDA
+               context, allocator, collectives), and with layer-segmented prefill the hidden
+               states prompts keep between their segments: an allowance (activation_bytes,
+               segment_hidden_bytes)
   kv_slots     its device KV pages (all-resident) or slots (two-tier cache): num_pages per
                layer, K and V: exact
   summaries    the sparse algorithm's rows (SparseAlgorithm.summary_shapes / _dtypes) for
@@ -29,7 +31,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
-from sparseserve.config import EngineConfig, ModelConfig
+from sparseserve.config import INJECT_CREDIT_FRACTION, EngineConfig, ModelConfig, SchedulerConfig
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -89,6 +91,33 @@ def activation_bytes(mc: ModelConfig, batched_tokens: int, num_seqs: int, tp: in
     allocator, collectives' buffers)."""
     return batched_tokens * (mc.hidden_size * 8 + mc.intermediate_size * 6 // tp) \
         + num_seqs * mc.vocab_size * 12 + 2 * GiB
+
+
+def step_tokens(sc: SchedulerConfig) -> int:
+    """The most tokens one step's forward holds at a layer (what its activations scale with):
+    the token budget (decode rows and prefill chunks are charged to it), plus with
+    layer-segmented prefill the segments' prompt tokens, which are charged to the injection
+    budget instead (prompt tokens x layers): every segment runs at least one layer, so at most
+    (1 + INJECT_CREDIT_FRACTION) x max_inject_tokens of them, and no more than max_num_seqs
+    whole prompts. (A 33k-token LWM-7B prompt runs as one segment: 16x a 2048-token budget.)"""
+    n = sc.max_num_batched_tokens
+    if sc.max_inject_tokens:
+        n += min(int(sc.max_inject_tokens * (1 + INJECT_CREDIT_FRACTION)),
+                 sc.max_num_seqs * sc.max_model_len)
+    return n
+
+
+def segment_hidden_tokens(sc: SchedulerConfig) -> int:
+    """Tokens whose hidden states prompts keep between their layer segments (the runner's
+    saved_hidden: [segment tokens, hidden] per prompt partway through its layers). The
+    scheduler serves running requests first, so prompts partway through are the ones the
+    injection budget carries, at most the segment part of step_tokens (tested against the
+    scheduler: tests/engine/test_step_tokens.py); 0 without layer-segmented prefill."""
+    return step_tokens(sc) - sc.max_num_batched_tokens
+
+
+def segment_hidden_bytes(mc: ModelConfig, sc: SchedulerConfig, dtype_bytes: int) -> int:
+    return segment_hidden_tokens(sc) * mc.hidden_size * dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -244,7 +273,8 @@ def plan_memory(cfg: EngineConfig, budget: int | None = None) -> MemoryPlan:
     meta = metadata_bytes(cfg)
     return MemoryPlan(
         weights=param_count(mc, tp) * DTYPE_BYTES[cfg.dtype],
-        activations=activation_bytes(mc, sc.max_num_batched_tokens, sc.max_num_seqs, tp),
+        activations=activation_bytes(mc, step_tokens(sc), sc.max_num_seqs, tp)
+        + segment_hidden_bytes(mc, sc, DTYPE_BYTES[cfg.dtype]),
         kv_slots=cfg.cache.num_pages * kv_page_bytes(cfg),
         summaries=summary_bytes(cfg), metadata=sum(meta.values()),
         graph_pool=graph_pool_bytes(cfg), budget=budget, details=meta)
