@@ -51,22 +51,24 @@ class GraphChecker:
                                                 off.num_rows)
         self.checked = 0
 
-    def replay_checked(self, graphs, input_ids, positions, rows):
-        """DecodeGraphs.run's contract, with the eager twin run first from the same state."""
+    def replay_checked(self, graphs, input_ids, positions, rows, fills=True):
+        """DecodeGraphs.run's contract, with the eager twin (the same `fills` variant) run
+        first from the same state."""
         n = input_ids.shape[0]
         b = graphs.stage(input_ids, positions, rows)
+        key = (b, fills or len(graphs.variants) == 1)
         if self.checked >= self.max_checked:
-            graphs.graphs[b].replay()
-            return graphs.logits[b][:n]
+            graphs.graphs[key].replay()
+            return graphs.logits[key][:n]
         before = G.snapshot(self.state)
-        eager_logits = graphs._forward(b)[:n].clone()
+        eager_logits = graphs._forward(*key)[:n].clone()
         eager = G.snapshot(self.state)
         G.restore(self.state, before)
         del before
-        graphs.graphs[b].replay()
+        graphs.graphs[key].replay()
         torch.cuda.synchronize()  # a fault here is this replay's
-        self._compare(n, b, rows, positions, eager, eager_logits, graphs.logits[b][:n])
-        return graphs.logits[b][:n]
+        self._compare(n, b, rows, positions, eager, eager_logits, graphs.logits[key][:n])
+        return graphs.logits[key][:n]
 
     def _compare(self, n, b, rows, positions, eager, eager_logits, graph_logits) -> None:
         self.checked += 1
@@ -146,7 +148,8 @@ def run(args) -> dict:
         graphs = runner.graphs
         rec["cuda_graphs"] = None if graphs is None else graphs.sizes
         if graphs is not None:
-            graphs.run = lambda ids, pos, rows: checker.replay_checked(graphs, ids, pos, rows)
+            graphs.run = lambda ids, pos, rows, fills=True: checker.replay_checked(
+                graphs, ids, pos, rows, fills)
         else:
             E.log(deadline, "warning: this engine captured no CUDA graphs (CPU, or eager): "
                             "nothing to check; the trace runs unchecked")

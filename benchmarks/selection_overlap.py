@@ -144,6 +144,8 @@ def main(argv=None) -> int:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="device KV slots (default: what gpu_memory_utilization leaves)")
     p.add_argument("--algorithms", default="arkvale,keycode2")
     p.add_argument("--token-budget", type=int, default=512)
     p.add_argument("--context", type=int, default=4096, help="prompt tokens per text")
@@ -176,7 +178,9 @@ def main(argv=None) -> int:
         llm = LLM(model, load_format=load_format, device=args.device, dtype=args.dtype,
                   sparse_algorithm=algo, token_budget=args.token_budget, page_size=page,
                   max_model_len=args.context + args.decode_steps + page,
-                  max_num_seqs=max(2, args.num_texts), enforce_eager=True)
+                  max_num_seqs=max(2, args.num_texts), enforce_eager=True,
+                  kv_cache_memory_bytes=(int(args.kv_cache_gib * 2**30)
+                                         if args.kv_cache_gib else None))
         vocab = llm.engine.config.model.vocab_size
         if args.smoke or load_format == "dummy":
             import random
@@ -205,7 +209,10 @@ def main(argv=None) -> int:
             result["runs"][algo]["margin_sweep"] = margin_sweep(
                 rec.sets, rec.next_pages, args.window, [0] + margins, budget_pages)
         C.write_json(args.out, result)
+        # free this engine's HBM before the next one sizes its KV cache from what is free
+        llm.engine.shutdown()
         del llm
+        C.free_device_memory()
     fig_path = os.path.splitext(args.out)[0] + ".png"
     plt = C.pyplot()
     if plt is not None:

@@ -246,11 +246,12 @@ def graph_pool_bytes(cfg: EngineConfig) -> int:
     token), fp32 RoPE of q and k, the selection / attention temporaries over every page a
     row can hold (SELECT_BYTES_PER_HEAD_PAGE per query head), with the two-tier cache each
     KV head's gathered K and V page and scratch summary row, and the logits in the model
-    dtype and fp32 — plus every smaller bucket's logits (kept as the graphs' outputs), the
-    static inputs and GRAPH_POOL_SLACK. 0 when no graph is captured."""
+    dtype and fp32 — plus every other graph's logits (kept as the graphs' outputs: with the
+    two-tier cache two graphs per bucket, cuda_graphs.graph_variants), the static inputs and
+    GRAPH_POOL_SLACK. 0 when no graph is captured."""
     if not captures_decode_graphs(cfg):
         return 0
-    from sparseserve.worker.cuda_graphs import batch_buckets
+    from sparseserve.worker.cuda_graphs import batch_buckets, graph_variants
 
     mc, tp = cfg.model, cfg.parallel.tensor_parallel_size
     _, hkv, d, e = _rank_shape(cfg)
@@ -262,7 +263,8 @@ def graph_pool_bytes(cfg: EngineConfig) -> int:
         per_row += hkv * (2 * cfg.cache.page_size * d * e + summary_row_bytes(cfg))
     per_row += mc.vocab_size * (e + 4)
     sizes = batch_buckets(cfg.scheduler.max_num_seqs)
-    kept = sum(sizes[:-1]) * mc.vocab_size * 4
+    graphs_rows = len(graph_variants(cfg.cache.kv_offload)) * sum(sizes)
+    kept = (graphs_rows - sizes[-1]) * mc.vocab_size * 4
     return sizes[-1] * (per_row + 3 * 8) + kept + GRAPH_POOL_SLACK
 
 

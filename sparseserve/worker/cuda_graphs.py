@@ -6,6 +6,11 @@ positions, batch rows); everything else (where K/V go, page lists, lengths) is d
 the device inside the graph from the persistent page directory, so replay needs no host work
 beyond copying those three small vectors. Padding lanes point at a scratch row whose pages
 are a scratch page, so they read and write nothing that belongs to a request.
+
+With the two-tier cache each bucket has two graphs: one indexes the pages that decode tokens
+fill (masked on the device), one leaves that out for the steps where the host knows that no
+token completes a page (31 of 32 steps of a lone request; the indexing is ~19 launches per
+layer). Both share the pool and the static inputs.
 """
 from __future__ import annotations
 
@@ -29,8 +34,10 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.rows = torch.full((n,), runner.scratch_row, dtype=torch.long, device=dev)
-        self.logits: dict[int, torch.Tensor] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # (bucket, fills) -> the graph and its output logits
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.variants = graph_variants(runner.offload is not None)
         self.pool = None
 
     def bucket(self, n: int) -> int | None:
@@ -39,14 +46,14 @@ class DecodeGraphs:
                 return s
         return None
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward(self, b: int, fills: bool = True) -> torch.Tensor:
         r = self.runner
         args = (r.kv, r.pages, self.rows[:b], self.positions[:b], b, [], r.scale)
         if r.offload is None:
             ctx = ForwardContext(*args, sparse=r.sparse)
         else:
             ctx = OffloadForwardContext(*args, sparse=r.sparse, cache=r.offload,
-                                        save_pages=None, save_offsets=None)
+                                        save_pages=None, save_offsets=None, decode_fills=fills)
         h = r.model.embed(self.input_ids[:b])
         h = r.model.run_layers(h, self.positions[:b], ctx, 0, r.num_layers)
         return r.model.compute_logits(h)
@@ -57,13 +64,14 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for b in reversed(self.sizes):  # largest first: later graphs reuse its pool
-                self._forward(b)  # warm-up: Triton compilation, RoPE table, allocator
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                    self.logits[b] = self._forward(b)
-                if self.pool is None:
-                    self.pool = g.pool()
-                self.graphs[b] = g
+                for fills in self.variants:
+                    self._forward(b, fills)  # warm-up: Triton compilation, RoPE, allocator
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                        self.logits[b, fills] = self._forward(b, fills)
+                    if self.pool is None:
+                        self.pool = g.pool()
+                    self.graphs[b, fills] = g
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
@@ -82,8 +90,16 @@ class DecodeGraphs:
         return b
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            rows: torch.Tensor) -> torch.Tensor:
-        """-> logits [n, vocab] (a view into the graph's static output)."""
+            rows: torch.Tensor, fills: bool = True) -> torch.Tensor:
+        """-> logits [n, vocab] (a view into the graph's static output). `fills`: a decode
+        token of the batch may complete its page (the host's check; True is always safe)."""
         b = self.stage(input_ids, positions, rows)
-        self.graphs[b].replay()
-        return self.logits[b][:input_ids.shape[0]]
+        key = (b, fills or len(self.variants) == 1)
+        self.graphs[key].replay()
+        return self.logits[key][:input_ids.shape[0]]
+
+
+def graph_variants(offload: bool) -> tuple[bool, ...]:
+    """The `fills` values captured per bucket: both with the two-tier cache (see the module
+    docstring), only True otherwise (the resident context indexes through its own plan)."""
+    return (True, False) if offload else (True,)

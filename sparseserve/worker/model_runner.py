@@ -200,8 +200,10 @@ class ModelRunner:
         token_rows = to_device(rows, torch.long, dev)
 
         nd = sum(1 for c in chunks if c.is_decode)
+        self._decode_fills = decode_fills(chunks[:nd], self.page_size)
         if self.graphs is not None and nd and self.graphs.bucket(nd) is not None:
-            logits = self.graphs.run(input_ids[:nd], positions[:nd], token_rows[:nd])
+            logits = self.graphs.run(input_ids[:nd], positions[:nd], token_rows[:nd],
+                                     fills=self._decode_fills)
             if nd < len(chunks):
                 # a hybrid step: the decode rows replay their graph (no per-op launches for
                 # them), the prefill work runs eagerly after it in the same step
@@ -297,7 +299,8 @@ class ModelRunner:
             ctx = OffloadForwardContext(*args, decode_width=width, sparse=self.sparse,
                                         prefill_attention=self.prefill_attn,
                                         cache=self.offload, save_pages=save_pages,
-                                        save_offsets=pos % self.page_size)
+                                        save_offsets=pos % self.page_size,
+                                        decode_fills=getattr(self, "_decode_fills", True))
         if self.on_select is not None:
             ctx.on_select = self.on_select
         if self.decode_attention is not None:
@@ -421,3 +424,10 @@ def _layer_intervals(chunks: list[ScheduledChunk]) -> list[tuple[int, int]]:
     """Split the layer axis where the set of active chunks changes."""
     cuts = sorted({c.layer_start for c in chunks} | {c.layer_end for c in chunks})
     return list(zip(cuts[:-1], cuts[1:]))
+
+
+def decode_fills(decode_chunks: list[ScheduledChunk], page_size: int) -> bool:
+    """Whether a decode token of this step completes its page (token at position p fills it
+    when p + 1 is a multiple of page_size): only then are filled pages indexed (see
+    OffloadForwardContext.decode_fills)."""
+    return any((c.start + 1) % page_size == 0 for c in decode_chunks)

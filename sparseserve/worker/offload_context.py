@@ -21,9 +21,14 @@ from sparseserve.worker.offload_cache import TwoTierCache
 
 class OffloadForwardContext(ForwardContext):
     def __init__(self, *args, cache: TwoTierCache, save_pages: np.ndarray | None,
-                 save_offsets: np.ndarray | None, **kwargs) -> None:
+                 save_offsets: np.ndarray | None, decode_fills: bool = True,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cache = cache
+        # False: the host checked that no decode token of this step completes a page, so
+        # indexing the filled pages (~19 launches per layer, masked to nothing on such a step)
+        # is skipped; True: a token may fill its page (summarised on the device, masked)
+        self.decode_fills = decode_fills
         # [T, Hkv] host page of each new token and head, [T] offsets: for the saver (CPU
         # side); None in a captured decode step, whose saves are all direct
         self.save_pages = save_pages
@@ -43,8 +48,10 @@ class OffloadForwardContext(ForwardContext):
         if k.shape[0] > first:  # prefill rows (and decode rows for the per-page baseline)
             cache.save(layer, k[first:], v[first:], self.save_pages[first:],
                        self.save_offsets[first:])
-        out = torch.empty_like(q)
         summaries = self.sparse.summaries[layer]
+        if nd and not self.prefills and nd == q.shape[0]:  # decode only: no copy into `out`
+            return self._decode(layer, q, k, v, summaries)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(layer, q[:nd], k[:nd], v[:nd], summaries)
         for p in self.prefills:
@@ -68,7 +75,8 @@ class OffloadForwardContext(ForwardContext):
         # the token's page is the selection's last entry, now resident: store the token there
         last_slot = store_decode_tokens(slots, sel.num_pages, self.store_offsets[:q.shape[0]]
                                         .view(-1), k, v, dev_k, dev_v)  # [B, Hkv]
-        self._index_decode_fills(layer, q, last_slot, summaries)
+        if self.decode_fills:
+            self._index_decode_fills(layer, q, last_slot, summaries)
         slots = slots.to(torch.int32)
         out = paged_decode_attention(q, dev_k, dev_v, slots, sel.num_pages, sel.last_page_len,
                                      self.scale)
