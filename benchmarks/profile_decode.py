@@ -79,17 +79,38 @@ def profile(name: str, a) -> dict:
     kernels.sort(key=lambda r: -r["us_per_step"])
     stats = eng.get_stats()
     running = stats["num_running"]
+    roof = decode_roofline(eng.executor.runner, running, a.context, a.hbm_gbps)
     eng.shutdown()  # the two-tier cache's transfer threads (and any TP ranks) stop
     del llm, eng
     if cuda:
         torch.cuda.empty_cache()
     walls.sort()
+    wall_ms = 1e3 * walls[len(walls) // 2]
     return {"batch": running, "context": a.context,
-            "wall_ms_median": 1e3 * walls[len(walls) // 2],
+            **roof, "x_roofline": wall_ms / roof["roofline_ms"],
+            "wall_ms_median": wall_ms,
             "wall_ms_mean": 1e3 * sum(walls) / len(walls),
             "device_ms_per_step": sum(k["us_per_step"] for k in kernels) / 1e3,
             "kernels_per_step": sum(k["calls_per_step"] for k in kernels),
             "top_kernels": kernels[:a.top]}
+
+
+def decode_roofline(runner, batch: int, context: int, hbm_gbps: float) -> dict:
+    """The dense decode step's memory floor: every weight a decode step reads (all but the
+    input embedding table, unless it doubles as the LM head) plus the KV of `batch` requests at
+    `context` tokens, over the measured HBM bandwidth (issue 12's roofline: the H200's device
+    copy, 3.4 TB/s, docs/results/transfer.md)."""
+    model = runner.model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:  # decode reads `batch` rows of the embedding table, not all
+        emb = model.model.embed_tokens.weight
+        weights -= emb.numel() * emb.element_size()
+    mc = runner.cfg.model
+    kv_per_token = (2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim
+                    * runner.kv.k[0].element_size())
+    kv = batch * context * kv_per_token
+    return {"weight_bytes": weights, "kv_bytes": kv,
+            "roofline_ms": (weights + kv) / (hbm_gbps * 1e9) * 1e3}
 
 
 def main(argv=None) -> int:
@@ -108,6 +129,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--model", default="llama-3-8b",
                    help="a dummy-weight shape (llama-3-8b, lwm-7b, ...)")
+    p.add_argument("--hbm-gbps", type=float, default=3400.0,
+                   help="HBM bandwidth of the roofline (the H200's measured device copy)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     a = p.parse_args(argv)
     if a.smoke:
@@ -127,7 +150,8 @@ def main(argv=None) -> int:
         r = res[name]
         print(f"\n== {name}: batch {r['batch']} @ {r['context']}: wall {r['wall_ms_median']:.2f} ms"
               f" (median), device {r['device_ms_per_step']:.2f} ms, "
-              f"{r['kernels_per_step']:.0f} kernels/step")
+              f"{r['kernels_per_step']:.0f} kernels/step, roofline {r['roofline_ms']:.2f} ms "
+              f"({r['x_roofline']:.2f}x)")
         for k in r["top_kernels"][:14]:
             print(f"  {k['us_per_step']:8.1f} us x{k['calls_per_step']:<6.0f} {k['name']}")
     return 0
