@@ -2,24 +2,28 @@
 
 The torch version of retrieve is ~60 small kernels per layer (masks, index_put, fills over
 the slot arrays); profiled, they were the largest part of the offloaded decode step's
-overhead. Here it is six launches plus a scan and the residency index's rebuild check, with
-the same contract:
+overhead. Here it is six launches plus the residency index's rebuild check, with the same
+contract (in a CUDA graph each tiny launch costs ~2-4 us plus a gap, so scans, fills and
+masks that could ride along in a kernel are folded in: benchmarks/decode_launches.py counts):
 
 1. ``probe``: every selected entry (b, h, k < num_sel[b, h]) looks its host page up in the
    residency index (kernels/residency_hash.py); hits are touched (last_access = step) so they
-   cannot become victims; misses are flagged (an entry k >= fresh_from[b, h] is a page with no
-   data yet: it needs a slot, but is no miss and loads nothing); hit/miss counters are bumped
-   on the device.
+   cannot become victims; misses are flagged and counted per program (a page with no data yet
+   — k >= fresh_from[b, h], or the last valid entry of a row whose token starts a page — needs
+   a slot, but is no miss and loads nothing); hit/miss counters are bumped on the device; a
+   decode selection stamps its pages' working-set step (worker/selection_stamps.py).
 2. victim order: category LRU by a counting sort over the keys of kvcache/eviction.py
    (``resident`` + ``victim_key``: one pass each over the slots, the second also writing each
-   program's key histogram), a scan of those histograms, then ``place``, which lays out only
-   the keys whose slots can be reached by this call's misses (the rest is never read), at
-   positions from the scan — no atomics, deterministic. Plain LRU keeps its torch sort (the baseline).
-3. ``assign``: the i-th miss (rank from a cumulative sum) takes the i-th victim: page_of,
-   last_access and owner of that slot are rewritten, the new mapping is inserted into the
-   residency index (the old one goes stale; the index rebuilds itself when full), and the
-   pages to load are written compacted (entry i - 1 for rank i), so FlashH2D loops over the
-   misses only.
+   program's key histogram), then ``place``, which lays out only the keys whose slots can be
+   reached by this call's misses (the rest is never read), at positions from the counts of
+   earlier programs (summed by each program for the few keys it places: no scan launch) — no
+   atomics, deterministic. Plain LRU keeps its torch sort (the baseline).
+3. ``assign``: the i-th miss (its rank: the misses of earlier probe programs plus a running
+   count in its block) takes the i-th victim: page_of, last_access and owner of that slot are
+   rewritten, the new mapping is inserted into the residency index (the old one goes stale;
+   the index rebuilds itself when full), and the pages to load are written compacted (entry
+   i - 1 for rank i), so FlashH2D loops over the misses only. It also zeroes the victim
+   order's histograms for the next call (the caller's scratch: no fill launch).
 
 Fixed shapes, no host synchronisation (CUDA-graph capturable). Ids are not range-checked,
 except in debug builds (TRITON_DEBUG=1: device asserts on every page, slot and position).
@@ -42,9 +46,34 @@ ENTRY_BLOCK = 128
 
 
 @triton.jit
+def _sum_first(ptr, n, CHUNK: tl.constexpr):
+    """sum(ptr[0:n]) of an int32 array, n a run-time count (0: 0). Integer sums are exact in
+    any order, so a program summing its predecessors' counts replaces a scan launch and
+    stays deterministic."""
+    acc = tl.zeros((CHUNK,), tl.int32)
+    for c in range(0, n, CHUNK):
+        j = c + tl.arange(0, CHUNK)
+        acc += tl.load(ptr + j, mask=j < n, other=0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _fresh_from(fresh_ptr, i, m, n, K, HK, FRESH: tl.constexpr):
+    """First entry of entry i's selection row that holds no data yet. FRESH 1: fresh_ptr
+    [B * Hkv] gives it; 2: fresh_ptr [B] flags a row whose token starts a page: its last
+    valid entry (n - 1, n = num_sel of the row) is that page, else none (K)."""
+    if FRESH == 1:
+        f = tl.load(fresh_ptr + i // K, mask=m, other=0)
+    else:
+        f = tl.where(tl.load(fresh_ptr + i // HK, mask=m, other=0) != 0, n - 1, K)
+    return f
+
+
+@triton.jit
 def _probe_kernel(pages_ptr, nsel_ptr, fresh_ptr, table_ptr, page_of_ptr, last_ptr, step_ptr,
-                  slots_ptr, miss_ptr, cnt_ptr, N, K, mask, scratch_page, scratch_slot,
-                  HAS_FRESH: tl.constexpr, BLOCK: tl.constexpr):
+                  slots_ptr, miss_ptr, mcount_ptr, cnt_ptr, stamps_ptr, sstep_ptr, N, K, HK,
+                  mask, scratch_page, scratch_slot, FRESH: tl.constexpr,
+                  HAS_STAMPS: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     n = tl.load(nsel_ptr + i // K, mask=m, other=0)
@@ -54,17 +83,23 @@ def _probe_kernel(pages_ptr, nsel_ptr, fresh_ptr, table_ptr, page_of_ptr, last_p
     tl.device_assert(~valid | ((p >= 0) & (p <= scratch_page)), "probe: page id out of range")
     is_scratch = valid & (p == scratch_page)
     look = valid & ~is_scratch
+    if HAS_STAMPS:  # SelectionStamps.stamp: the scratch page is never stamped
+        sstep = tl.load(sstep_ptr)
+        tl.store(stamps_ptr + tl.maximum(p, 0), tl.zeros((BLOCK,), tl.int32) + sstep,
+                 mask=look)
     slot = probe_slots(table_ptr, page_of_ptr, p, look, mask, BLOCK)
     tl.device_assert(slot < scratch_slot, "probe: slot out of range")
     hit = look & (slot >= 0)
     miss = look & (slot < 0)
     counted = miss
-    if HAS_FRESH:
-        counted = miss & ((i % K) < tl.load(fresh_ptr + i // K, mask=m, other=0))
+    if FRESH != 0:
+        counted = miss & ((i % K) < _fresh_from(fresh_ptr, i, m, n, K, HK, FRESH))
     step = tl.load(step_ptr)
     tl.store(last_ptr + tl.maximum(slot, 0), tl.zeros((BLOCK,), tl.int64) + step, mask=hit)
     tl.store(slots_ptr + i, tl.where(hit, slot, scratch_slot).to(tl.int32), mask=m)
     tl.store(miss_ptr + i, miss.to(tl.int32), mask=m)
+    # this program's misses: assign ranks them after its predecessors' (no scan launch)
+    tl.store(mcount_ptr + tl.program_id(0), tl.sum(miss.to(tl.int32), axis=0))
     tl.atomic_add(cnt_ptr, tl.sum(hit.to(tl.int64), axis=0))
     tl.atomic_add(cnt_ptr + 1, tl.sum(counted.to(tl.int64), axis=0))
 
@@ -110,12 +145,12 @@ def _victim_key_kernel(last_ptr, owner_ptr, quota_ptr, resident_ptr, step_ptr, k
 
 
 @triton.jit
-def _place_kernel(key_ptr, counts_ptr, offs_ptr, need_ptr, out_ptr, S,
+def _place_kernel(key_ptr, counts_ptr, hist_ptr, need_ptr, out_ptr, S, NEED_N,
                   NUM_KEYS: tl.constexpr, KEYS_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """out[first positions] = slots, highest key first, as far as the `need` (= need_ptr[0])
-    victims reach: keys from the top while their first position is < need. The program's
-    slots of key k go to above[k] + offs[pid, k] + their rank among them (offs: the slots of
-    key k in earlier programs, an exclusive scan along victim_key's histogram rows). No
+    """out[first positions] = slots, highest key first, as far as the `need` (= the sum of
+    need_ptr[0:NEED_N]) victims reach: keys from the top while their first position is < need.
+    The program's slots of key k go to above[k] + (slots of key k in earlier programs: the sum
+    of victim_key's histogram row k over programs < pid) + their rank among them. No
     atomics: positions are exact and deterministic. Same BLOCK as victim_key."""
     pid = tl.program_id(0)
     s = pid * BLOCK + tl.arange(0, BLOCK)
@@ -125,14 +160,14 @@ def _place_kernel(key_ptr, counts_ptr, offs_ptr, need_ptr, out_ptr, S,
     counts = tl.load(counts_ptr + kidx, mask=kidx < NUM_KEYS, other=0)
     # first position of key k when keys are laid out from the highest down
     above = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0)
-    offs = tl.load(offs_ptr + kidx * tl.num_programs(0) + pid)
-    need = tl.load(need_ptr)
+    need = _sum_first(need_ptr, NEED_N, 1024)
     kk = NUM_KEYS - 1
     first = tl.sum(tl.where(kidx == kk, above, 0), axis=0)
     while (kk >= 0) & (first < need):
         mine = ok & (key == kk)
         local = tl.cumsum(mine.to(tl.int32), axis=0) - 1
-        base = tl.sum(tl.where(kidx == kk, offs, 0), axis=0)
+        # only the few keys placed need their offset: no scan over every key and program
+        base = _sum_first(hist_ptr + kk * tl.num_programs(0), pid, 1024)
         tl.device_assert(~mine | (first + base + local < S), "place: position out of range")
         tl.store(out_ptr + first + base + local, s.to(tl.int64), mask=mine)
         kk -= 1
@@ -140,23 +175,28 @@ def _place_kernel(key_ptr, counts_ptr, offs_ptr, need_ptr, out_ptr, S,
 
 
 @triton.jit
-def _assign_kernel(pages_ptr, miss_ptr, rank_ptr, order_ptr, rows_ptr, fresh_ptr, page_of_ptr,
-                   last_ptr, owner_ptr, step_ptr, slots_ptr, load_src_ptr, load_dst_ptr,
-                   table_ptr, fill_ptr, N, K, HK, S, mask, HAS_FRESH: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _assign_kernel(pages_ptr, nsel_ptr, miss_ptr, mcount_ptr, order_ptr, rows_ptr, fresh_ptr,
+                   page_of_ptr, last_ptr, owner_ptr, step_ptr, slots_ptr, load_src_ptr,
+                   load_dst_ptr, nloads_ptr, table_ptr, fill_ptr, zero_ptr, N, K, HK, S, mask,
+                   NUM_ZERO, FRESH: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    i = pid * BLOCK + tl.arange(0, BLOCK)
     m = i < N
-    miss = m & (tl.load(miss_ptr + i, mask=m, other=0) != 0)
-    rank = tl.load(rank_ptr + i, mask=miss, other=1) - 1
-    victim = tl.load(order_ptr + tl.minimum(rank, S - 1), mask=miss, other=0)
+    missi = tl.load(miss_ptr + i, mask=m, other=0)
+    miss = m & (missi != 0)
+    # the miss's rank (0-based) over all entries: misses of earlier programs (probe's
+    # per-program counts), then this block's running count
+    rank = _sum_first(mcount_ptr, pid, 1024) + tl.cumsum(missi, axis=0) - 1
+    victim = tl.load(order_ptr + tl.minimum(tl.maximum(rank, 0), S - 1), mask=miss, other=0)
     tl.device_assert(~miss | ((victim >= 0) & (victim < S) & (rank >= 0)),
                      "assign: victim out of range")
     p = tl.load(pages_ptr + i, mask=miss, other=-1).to(tl.int64)
     row = tl.load(rows_ptr + i // HK, mask=miss, other=0).to(tl.int64)
     step = tl.load(step_ptr)
     load = miss
-    if HAS_FRESH:  # a page with no data yet gets its slot, nothing is loaded into it
-        load = miss & ((i % K) < tl.load(fresh_ptr + i // K, mask=m, other=0))
+    if FRESH != 0:  # a page with no data yet gets its slot, nothing is loaded into it
+        n = tl.load(nsel_ptr + i // K, mask=m, other=0)
+        load = miss & ((i % K) < _fresh_from(fresh_ptr, i, m, n, K, HK, FRESH))
     tl.store(page_of_ptr + victim, p, mask=miss)
     tl.store(last_ptr + victim, tl.zeros((BLOCK,), tl.int64) + step, mask=miss)
     tl.store(owner_ptr + victim, row, mask=miss)
@@ -165,51 +205,70 @@ def _assign_kernel(pages_ptr, miss_ptr, rank_ptr, order_ptr, rows_ptr, fresh_ptr
     tl.store(load_dst_ptr + rank, victim, mask=miss)
     tl.atomic_add(fill_ptr, tl.sum(miss.to(tl.int64), axis=0))
     insert_slots(table_ptr, p, victim.to(tl.int32), miss, mask)
+    if pid == 0:
+        # the loader's count, and the victim order's scratch (histograms: place has read
+        # them) zeroed for the next call — instead of a fill launch per layer
+        tl.store(nloads_ptr, _sum_first(mcount_ptr, tl.num_programs(0), 1024))
+        for c in range(0, NUM_ZERO, BLOCK):
+            j = c + tl.arange(0, BLOCK)
+            tl.store(zero_ptr + j, tl.zeros((BLOCK,), tl.int32), mask=j < NUM_ZERO)
+
+
+def lru_scratch_size(num_rows: int, num_buckets: int) -> int:
+    """int32 entries of category_lru_order's zeroed scratch: per-row residents [R] and per-key
+    counts [2 * num_buckets + 2]."""
+    return num_rows + 2 * num_buckets + 2
 
 
 def category_lru_order(last_access, owner_row, row_quota, step, num_buckets: int,
-                       need: torch.Tensor | None = None):
+                       need: torch.Tensor | None = None, scratch: torch.Tensor | None = None):
     """kvcache.eviction.victim_order(..., "category-lru") in three passes.
     last_access/owner_row [S] int64, row_quota [R] int64, step [] int64 -> [S] int64.
-    need: [1] int32 on the device or None (all S): only the first need[0] entries of the
-    order are written (the rest is undefined)."""
+    need: [P] int32 on the device or None (all S): only the first sum(need) entries of the
+    order are written (the rest is undefined); P > 1 is fused_retrieve's per-program miss
+    counts. scratch: [lru_scratch_size(R, num_buckets)] int32, zeroed, or None (allocated
+    and zeroed here); left dirty (fused_retrieve's assign zeroes it again)."""
     S = last_access.shape[0]
     dev = last_access.device
     grid = (triton.cdiv(S, BLOCK),)
     R = row_quota.shape[0]
     nk = 2 * num_buckets + 2
-    # one zeroed buffer: per-row residents, per-key counts
-    scratch = torch.zeros(R + nk, dtype=torch.int32, device=dev)
-    resident, counts = scratch[:R], scratch[R:]
+    if scratch is None:  # one zeroed buffer: per-row residents, per-key counts
+        scratch = torch.zeros(lru_scratch_size(R, num_buckets), dtype=torch.int32, device=dev)
+    resident, counts = scratch[:R], scratch[R:R + nk]
     _resident_kernel[grid](last_access, owner_row, resident, S, R,
                            R_PAD=triton.next_power_of_2(R), BLOCK=BLOCK)
     key = torch.empty(S, dtype=torch.int32, device=dev)
     pad = triton.next_power_of_2(nk)
-    # key-major [keys, programs], so the scan over programs runs along the innermost dim:
-    # torch scans an outer dim with one thread per column, sequentially (measured on the
-    # H200: 29 us per layer for 160 programs, 10 % of an offloaded batch-1 decode step)
+    # key-major [keys, programs]: place sums a key's row over its earlier programs
     hist = torch.empty((pad, grid[0]), dtype=torch.int32, device=dev)
     _victim_key_kernel[grid](last_access, owner_row, row_quota, resident, step, key, counts,
                              hist, S, NUM_BUCKETS=num_buckets, KEYS_PAD=pad, BLOCK=BLOCK)
-    offs = torch.cumsum(hist, 1, dtype=torch.int32) - hist  # exclusive over programs
     if need is None:
         need = torch.full((1,), S, dtype=torch.int32, device=dev)
     out = torch.empty(S, dtype=torch.int64, device=dev)
-    _place_kernel[grid](key, counts, offs, need, out, S, NUM_KEYS=nk, KEYS_PAD=pad,
-                        BLOCK=BLOCK)
+    _place_kernel[grid](key, counts, hist, need, out, S, need.shape[0], NUM_KEYS=nk,
+                        KEYS_PAD=pad, BLOCK=BLOCK)
     return out
 
 
 def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota, step,
                    counters, table_fill, scratch_page: int, scratch_slot: int,
-                   num_buckets: int, fresh_from=None, victim_order=None):
+                   num_buckets: int, fresh_from=None, victim_order=None, *, fresh_last=None,
+                   stamps=None, lru_scratch=None):
     """One layer's retrieve on the GPU (see module doc).
 
     pages [B, Hkv, K] int32/int64 selected host pages; num_sel [B, Hkv] int32 valid entries;
     rows [B] batch rows; table [H] int32 residency index, table_fill [2] int64 its entry
     count; page_of/last/owner [S + 1] int64 (the last entry is the scratch slot); row_quota
     [R] int64; step [] int64; counters [2] int64 (+= hits, misses); fresh_from [B, Hkv] int32
-    or None: entries k >= fresh_from[b, h] hold no data yet (no load, not counted as misses).
+    or None: entries k >= fresh_from[b, h] hold no data yet (no load, not counted as misses);
+    fresh_last [B] int32/bool or None (instead of fresh_from): where set, the last valid
+    entry of each of row b's selections (k = num_sel[b, h] - 1) holds no data yet.
+    stamps: None, or (last_selected [>= scratch_page + 1] int32, stamp step [] int32): every
+    valid entry's page (the scratch page aside) is stamped with the step (SelectionStamps).
+    lru_scratch: None or [lru_scratch_size(R, num_buckets)] int32, zeroed, left zeroed
+    (category LRU's histograms without a fill launch per call).
     -> (slots [B, Hkv, K] int32: the slot of every valid entry, the scratch slot elsewhere;
     load_src, load_dst [N] int64 compacted: host page (-1: nothing to load) and its slot,
     valid below num_loads[0]; num_loads [1] int32 on the device).
@@ -221,28 +280,39 @@ def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota,
     N = B * Hkv * K
     S = page_of.shape[0] - 1
     dev = pages.device
+    # no-ops on the decode path (its tensors are contiguous and int32 already)
     pages = pages.contiguous()
     num_sel = num_sel.contiguous()
-    has_fresh = fresh_from is not None
-    fresh = fresh_from.to(torch.int32).contiguous() if has_fresh else num_sel
+    assert fresh_from is None or fresh_last is None
+    mode, fresh = 0, num_sel
+    if fresh_from is not None:
+        mode, fresh = 1, fresh_from.to(torch.int32).contiguous()
+    elif fresh_last is not None:
+        mode, fresh = 2, fresh_last.contiguous()
+    has_stamps = stamps is not None
+    st, sstep = stamps if has_stamps else (num_sel, num_sel)
+    grid = (triton.cdiv(N, ENTRY_BLOCK),)
     slots = torch.empty(N, dtype=torch.int32, device=dev)
     miss = torch.empty(N, dtype=torch.int32, device=dev)
-    grid = (triton.cdiv(N, ENTRY_BLOCK),)
+    mcount = torch.empty(grid[0], dtype=torch.int32, device=dev)  # misses per probe program
     mask = table.shape[0] - 1
     _probe_kernel[grid](pages, num_sel, fresh, table, page_of, last, step, slots, miss,
-                        counters, N, K, mask, scratch_page, scratch_slot,
-                        HAS_FRESH=has_fresh, BLOCK=ENTRY_BLOCK)
-    rank = torch.cumsum(miss, 0, dtype=torch.int32)
-    num_loads = rank[-1:]
+                        mcount, counters, st, sstep, N, K, Hkv * K, mask, scratch_page,
+                        scratch_slot, FRESH=mode, HAS_STAMPS=has_stamps, BLOCK=ENTRY_BLOCK)
+    zero = lru_scratch
     if victim_order is None:
         order = category_lru_order(last[:S], owner[:S], row_quota, step, num_buckets,
-                                   need=num_loads)
+                                   need=mcount, scratch=lru_scratch)
     else:
         order = victim_order(last[:S], owner[:S], row_quota, step)
+        zero = None  # not used: stays zeroed
     load_src = torch.empty(N, dtype=torch.int64, device=dev)
     load_dst = torch.empty(N, dtype=torch.int64, device=dev)
-    _assign_kernel[grid](pages, miss, rank, order, rows.contiguous(), fresh, page_of, last,
-                         owner, step, slots, load_src, load_dst, table, table_fill, N, K,
-                         Hkv * K, S, mask, HAS_FRESH=has_fresh, BLOCK=ENTRY_BLOCK)
+    num_loads = torch.empty(1, dtype=torch.int32, device=dev)
+    _assign_kernel[grid](pages, num_sel, miss, mcount, order, rows.contiguous(), fresh,
+                         page_of, last, owner, step, slots, load_src, load_dst, num_loads,
+                         table, table_fill, miss if zero is None else zero, N, K, Hkv * K, S,
+                         mask, 0 if zero is None else zero.shape[0], FRESH=mode,
+                         BLOCK=ENTRY_BLOCK)
     rebuild_if_full(table, page_of, table_fill, backend="triton")  # also on CPU tensors (tests)
     return slots.view(B, Hkv, K), load_src, load_dst, num_loads

@@ -30,7 +30,8 @@ import torch
 
 from sparseserve.config import CacheConfig
 from sparseserve.kernels import residency_hash
-from sparseserve.kvcache.eviction import victim_order
+from sparseserve.kernels.retrieve import lru_scratch_size
+from sparseserve.kvcache.eviction import NUM_BUCKETS, victim_order
 from sparseserve.transfer import PageLoader, make_saver
 from sparseserve.worker.host_copy import to_device
 from sparseserve.worker.selection_stamps import SelectionStamps
@@ -103,6 +104,11 @@ class TwoTierCache:
         # elastic buffer: per-row quota of resident slots per layer (scheduler-settable)
         self.row_quota = torch.full((num_rows + 1,), self.num_slots, dtype=torch.long,
                                     device=device)
+        # category LRU's histograms per layer, zeroed; the fused retrieve leaves them zeroed
+        # (no fill launch per layer)
+        self._lru_scratch = torch.zeros((num_layers, lru_scratch_size(num_rows + 1,
+                                                                      NUM_BUCKETS)),
+                                        dtype=torch.int32, device=device)
         self.step = torch.zeros((), dtype=torch.long, device=device)
         self.hit_miss = torch.zeros(2, dtype=torch.long, device=device)  # [hits, misses]
         # prefill's own retrieves (its pages into slots): counted apart from decode's hit rate
@@ -267,7 +273,7 @@ class TwoTierCache:
     # ---- retrieve -------------------------------------------------------------------------
     def retrieve(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor,
                  rows: torch.Tensor, fresh_from: torch.Tensor | None = None,
-                 prefill: bool = False) -> torch.Tensor:
+                 prefill: bool = False, fresh_last: torch.Tensor | None = None) -> torch.Tensor:
         """Map selected host pages to device slots, loading the misses.
 
         pages [B, Hkv, K] host page ids; num_sel [B, Hkv] int (valid entries of each row of
@@ -275,28 +281,36 @@ class TwoTierCache:
         fused path; the scratch slot where not valid). `fresh_from` [B, Hkv] int: entries
         k >= fresh_from[b, h] are pages that hold no data yet (a page this step starts) — a
         miss gets a slot but nothing is loaded for it, and it is not counted as a miss.
-        `prefill`: count hits and misses apart from decode's (a prefill mapping its own pages).
-        On a GPU the bookkeeping is fused (kernels/retrieve.py); the torch version below is
-        the CPU path and the reference."""
+        `fresh_last` [B] int32 (instead): where nonzero, the last valid entry of row b's
+        selections (k = num_sel[b, h] - 1) is such a page (decode: the token starts it).
+        `prefill`: count hits and misses apart from decode's (a prefill mapping its own pages)
+        and stamp no working set. On a GPU the bookkeeping (stamps included) is fused
+        (kernels/retrieve.py); the torch version below is the CPU path and the reference."""
         counter = self.prefill_hit_miss if prefill else self.hit_miss
-        valid = None
-        if not prefill or not self.fused:  # the fused kernels take num_sel themselves
-            K = pages.shape[2]
-            k = torch.arange(K, device=pages.device).view(1, 1, K)
-            valid = k < num_sel.unsqueeze(-1)  # [B, Hkv, K]
+        if self.fused:  # the fused kernels take num_sel and stamp themselves
+            stamps = None if prefill else (self.stamps.last_selected[layer], self.stamps.step)
+            return self._retrieve_fused(layer, pages, num_sel, rows, fresh_from, counter,
+                                        fresh_last=fresh_last, stamps=stamps)
+        K = pages.shape[2]
+        k = torch.arange(K, device=pages.device).view(1, 1, K)
+        valid = k < num_sel.unsqueeze(-1)  # [B, Hkv, K]
         if not prefill:
             self.stamps.stamp(layer, pages, valid)
-        if self.fused:
-            return self._retrieve_fused(layer, pages, num_sel, rows, fresh_from, counter)
-        fresh = None if fresh_from is None else k >= fresh_from.unsqueeze(-1)
+        fresh = None
+        if fresh_from is not None:
+            fresh = k >= fresh_from.unsqueeze(-1)
+        elif fresh_last is not None:
+            fresh = (k >= (num_sel.long() - 1).unsqueeze(-1)) & (fresh_last != 0).view(-1, 1, 1)
         return self._retrieve_torch(layer, pages, valid, rows, fresh, counter)
 
     def _retrieve_fused(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor,
                         rows: torch.Tensor, fresh_from: torch.Tensor | None,
-                        counter: torch.Tensor) -> torch.Tensor:
-        """retrieve with the fused kernels (GPU; CPU tensors run them in the interpreter)."""
+                        counter: torch.Tensor, fresh_last: torch.Tensor | None = None,
+                        stamps: tuple[torch.Tensor, torch.Tensor] | None = None
+                        ) -> torch.Tensor:
+        """retrieve with the fused kernels (GPU; CPU tensors run them in the interpreter).
+        stamps: (last_selected row of the layer, stamp step) for a decode selection."""
         from sparseserve.kernels.retrieve import fused_retrieve
-        from sparseserve.kvcache.eviction import NUM_BUCKETS
         # category LRU is fused into the kernels; other policies give their own order
         order = None if self.policy == "category-lru" else functools.partial(
             victim_order, policy=self.policy)
@@ -304,7 +318,8 @@ class TwoTierCache:
             pages, num_sel, rows, self.res_table[layer], self.page_of[layer],
             self.last_access[layer], self.owner[layer], self.row_quota, self.step,
             counter, self.res_fill[layer], self.scratch_page, self.scratch_slot,
-            NUM_BUCKETS, fresh_from, victim_order=order)
+            NUM_BUCKETS, fresh_from, victim_order=order, fresh_last=fresh_last,
+            stamps=stamps, lru_scratch=self._lru_scratch[layer])
         self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
                          self.dev_v[layer], load_src, load_dst, num_live=num_loads)
         return slots

@@ -67,10 +67,9 @@ class OffloadForwardContext(ForwardContext):
         if self.on_select is not None:
             self.on_select(layer, q, sel, self)
         # a token that starts a page: the selection's last entry (its page) has no data yet
-        fresh_from = torch.where(self._decode_plan()["starts"], sel.num_pages - 1,
-                                 sel.page_table.shape[2])
+        # (the flags are the step's; the kernels find each row's last entry themselves)
         slots = cache.retrieve(layer, sel.page_table, sel.num_pages, self.dec_rows,
-                               fresh_from=fresh_from)
+                               fresh_last=self._decode_plan()["starts"])
         dev_k, dev_v = cache.dev_k[layer], cache.dev_v[layer]
         # the token's page is the selection's last entry, now resident: store the token there
         last_slot = store_decode_tokens(slots, sel.num_pages, self.store_offsets[:q.shape[0]]
@@ -87,7 +86,7 @@ class OffloadForwardContext(ForwardContext):
     def _decode_plan(self) -> dict[str, torch.Tensor]:
         """What the decode rows' bookkeeping needs that depends on positions only: computed
         at the first layer, reused by the others (fewer launches per layer).
-        starts [B, 1] bool: the token starts a page; and for indexing the pages that fill:
+        starts [B] int32: 1 where the token starts a page; and for indexing the pages that fill:
         read [B*Hkv] int32 (entry i reads gathered page i, -1: no fill), host_ids [B*Hkv] int64
         (where the summary goes; the scratch page when no fill), ntok [B*Hkv] int32."""
         plan = getattr(self, "_plan", None)
@@ -97,7 +96,7 @@ class OffloadForwardContext(ForwardContext):
             n = nd * hkv
             fills = ((self.dec_seq_lens % ps) == 0)[:, None].expand(nd, hkv).reshape(-1)
             plan = self._plan = {
-                "starts": ((self.dec_seq_lens - 1) % ps == 0)[:, None],
+                "starts": ((self.dec_seq_lens - 1) % ps == 0).to(torch.int32),
                 "read": torch.where(fills, torch.arange(n, device=fills.device, dtype=torch.int32),
                                     -1),
                 "host_ids": torch.where(fills, self.store_pages[:nd].reshape(-1),
