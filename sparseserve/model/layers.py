@@ -18,12 +18,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like transformers, then cast back before the weight multiply.
-        # One fused op (x * rsqrt(mean(x^2) + eps) * weight) where no cast is needed.
-        shape = (x.shape[-1],)
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), shape, eps=self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., N] with weight [N] (the torch path; kernels/fused_layer_ops fuses it)."""
+    # Normalise in fp32 like transformers, then cast back before the weight multiply.
+    # One fused op (x * rsqrt(mean(x^2) + eps) * weight) where no cast is needed.
+    shape = (x.shape[-1],)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, shape, weight, eps)
+    return weight * F.rms_norm(x.float(), shape, eps=eps).to(x.dtype)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float,
