@@ -1,0 +1,144 @@
+"""Prefill efficiency and hybrid-step host time (issue 12, items 2 and 5): model FLOPs per
+second of chunked prefill as a fraction of the H200's measured bf16 matmul rate (MFU), and the
+host share of steps that carry a prefill chunk plus decode rows.
+
+One long prompt is prefilled in `--chunk`-token chunks by the `dense` preset (dummy weights),
+optionally while `--decode-rows` short requests decode beside it (a hybrid step: the decode rows
+replay their CUDA graph, the chunk runs eagerly). Every step is timed with the device
+synchronised before and after it; its host time is the runner's CPU time until its one sync
+(`RunnerOutput.host_time_s`, read through `LLMEngine.last_step_host_time_s`).
+
+Model FLOPs of a chunk of T tokens at positions [s, s + T): 2 x (linear weights a token
+multiplies, the LM head only for the sampled row) x T, plus attention 4 x layers x Hq x D x
+sum over the chunk's tokens of the keys each attends (p + 1, causal) — the PaLM-style count,
+no recompute. MFU = FLOPs / step time / `--peak-tflops` (790: bf16 GEMMs measured on the H200).
+
+    python benchmarks/prefill_mfu.py --out $OUT/prefill_mfu.json --contexts 8192,32768 \\
+        --decode-rows 0,8,32
+    python benchmarks/prefill_mfu.py --out /tmp/mfu.json --smoke     # tiny, CPU
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                os.path.dirname(os.path.abspath(__file__))]
+
+import common as C  # noqa: E402
+
+GiB = 1 << 30
+
+
+def linear_params(mc) -> int:
+    """Weights one token multiplies in a decoder pass (q/k/v/o, gate/up/down; no embedding)."""
+    h, inter, d = mc.hidden_size, mc.intermediate_size, mc.head_dim
+    attn = h * d * (mc.num_attention_heads * 2 + mc.num_key_value_heads * 2)
+    return mc.num_hidden_layers * (attn + 3 * h * inter)
+
+
+def chunk_flops(mc, start: int, tokens: int, sampled_rows: int) -> float:
+    """Model FLOPs of prefilling positions [start, start + tokens) (see the module doc)."""
+    keys = tokens * start + tokens * (tokens + 1) / 2  # sum of (p + 1) over the chunk
+    attn = 4 * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim * keys
+    head = 2 * mc.hidden_size * mc.vocab_size * sampled_rows
+    return 2 * linear_params(mc) * tokens + attn + head
+
+
+def run_context(model: str, context: int, rows: int, a, device: str, dtype: str) -> dict:
+    import numpy as np
+    import torch
+
+    from sparseserve import LLM, SamplingParams
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    llm = LLM(model, load_format="dummy", dtype=dtype, device=device, preset="dense",
+              max_model_len=context + 64, max_num_seqs=max(rows + 1, 2),
+              max_num_batched_tokens=a.chunk + rows, kv_cache_memory_bytes=int(a.kv_gib * GiB))
+    eng = llm.engine
+    mc = eng.config.model
+    rng = np.random.default_rng(a.seed)
+    vocab = mc.vocab_size
+    sched = eng.scheduler
+    for i in range(rows):  # the decode rows: short prompts that decode for the whole run
+        eng.add_request(f"d{i}", {"prompt_token_ids": rng.integers(10, vocab, a.decode_prompt).tolist()},
+                        SamplingParams(max_tokens=context + 64, ignore_eos=True))
+    while rows and any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
+        eng.step()
+    for _ in range(3 if rows else 0):  # decode graphs warm
+        eng.step()
+    eng.add_request("long", {"prompt_token_ids": rng.integers(10, vocab, context).tolist()},
+                    SamplingParams(max_tokens=1, ignore_eos=True))
+    long_req = sched.requests["long"]
+    steps = []
+    while long_req.num_computed_tokens < context:
+        start = long_req.num_computed_tokens
+        sync()
+        t0 = time.perf_counter()
+        eng.step()
+        sync()
+        wall = time.perf_counter() - t0
+        done = (long_req.num_computed_tokens if "long" in sched.requests
+                else context)
+        tokens = done - start
+        flops = chunk_flops(mc, start, tokens, 1 if done >= context else 0)
+        steps.append({"start": start, "tokens": tokens, "wall_ms": 1e3 * wall,
+                      "host_ms": 1e3 * eng.last_step_host_time_s,
+                      "decode_rows": rows, "tflops": flops / wall / 1e12,
+                      "mfu": flops / wall / (a.peak_tflops * 1e12)})
+        if "long" not in sched.requests:
+            break
+    eng.shutdown()
+    del llm, eng
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    body = steps[1:-1] or steps  # the first chunk pays one-off warm-ups, the last samples
+    wall = sum(s["wall_ms"] for s in body)
+    return {"context": context, "decode_rows": rows, "chunk": a.chunk, "steps": steps,
+            "mean_mfu": sum(s["mfu"] * s["wall_ms"] for s in body) / wall,
+            "mean_tflops": sum(s["tflops"] * s["wall_ms"] for s in body) / wall,
+            "mean_step_ms": wall / len(body),
+            "host_share": sum(s["host_ms"] for s in body) / wall}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="JSON result path")
+    p.add_argument("--model", default=None, help="built-in dummy config (default llama-3-8b)")
+    p.add_argument("--contexts", default="8192,32768", help="prompt lengths, comma list")
+    p.add_argument("--decode-rows", default="0,8", help="requests decoding beside the chunks")
+    p.add_argument("--decode-prompt", type=int, default=512, help="their prompt tokens")
+    p.add_argument("--chunk", type=int, default=2048, help="prefill tokens per step")
+    p.add_argument("--kv-gib", type=float, default=40)
+    p.add_argument("--peak-tflops", type=float, default=790.0,
+                   help="the bf16 matmul rate MFU is relative to (measured on the H200)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
+    a = p.parse_args(argv)
+    contexts = [int(x) for x in a.contexts.split(",")]
+    row_counts = [int(x) for x in a.decode_rows.split(",")]
+    if a.smoke:
+        a.chunk, a.kv_gib, a.decode_prompt = 128, 0.05, 32
+        contexts, row_counts = [300], [0, 2]
+    model, _, name = C.resolve_model(argparse.Namespace(model=a.model, smoke=a.smoke),
+                                     tempfile.mkdtemp(), max(contexts) + 64)
+    import torch
+    device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    res = {"meta": C.meta(argv), "model": name, "args": vars(a), "runs": []}
+    for ctx in contexts:
+        for rows in row_counts:
+            res["runs"].append(run_context(model, ctx, rows, a, device, dtype))
+            C.write_json(a.out, res)
+    print(C.table(["context", "decode rows", "chunk", "step ms", "TFLOP/s", "MFU", "host share"],
+                  [[r["context"], r["decode_rows"], r["chunk"], C.fmt(r["mean_step_ms"]),
+                    C.fmt(r["mean_tflops"]), f"{100 * r['mean_mfu']:.1f} %",
+                    f"{100 * r['host_share']:.1f} %"] for r in res["runs"]]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""benchmarks/prefill_mfu.py: the FLOP count against a direct sum over tokens, and --smoke end
+to end (every chunk of the prompt is timed once, the tokens add up to the prompt, the MFU is
+the FLOPs over the time)."""
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from prefill_mfu import chunk_flops, linear_params  # noqa: E402
+
+MC = SimpleNamespace(hidden_size=64, intermediate_size=96, head_dim=16, num_attention_heads=4,
+                     num_key_value_heads=2, num_hidden_layers=3, vocab_size=100)
+
+
+def test_chunk_flops_counts_every_token_and_key():
+    per_token = 3 * (64 * 16 * (4 + 4 + 2 + 2) + 3 * 64 * 96)  # q, o, k, v, gate, up, down
+    assert linear_params(MC) == per_token
+    start, n = 17, 54
+    attn = sum(4 * 3 * 4 * 16 * (p + 1) for p in range(start, start + n))
+    assert chunk_flops(MC, start, n, 0) == 2 * per_token * n + attn
+    assert chunk_flops(MC, start, n, 1) - chunk_flops(MC, start, n, 0) == 2 * 64 * 100
+
+
+def test_prefill_mfu_smoke(tmp_path):
+    out = tmp_path / "mfu.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "prefill_mfu.py"),
+                           "--smoke", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["meta"]["command"]
+    assert [x["decode_rows"] for x in r["runs"]] == [0, 2]
+    for run in r["runs"]:
+        steps = run["steps"]
+        assert sum(s["tokens"] for s in steps) == run["context"] == 300
+        assert [s["start"] for s in steps] == [sum(t["tokens"] for t in steps[:i])
+                                               for i in range(len(steps))]
+        for s in steps:
+            assert 0 < s["tokens"] <= run["chunk"] and 0 < s["host_ms"] <= s["wall_ms"] * 1.01
+            assert abs(s["mfu"] * 790e12 - s["tflops"] * 1e12) < 1e-6 * s["tflops"] * 1e12
+    assert "host share" in proc.stdout
