@@ -116,7 +116,7 @@ def gpu_paths(counter: Counter, cache):
             cache.direct_bytes_saved += 2 * k.numel() * k.element_size() * cache.num_layers
         gpu_direct_save(cache.host_k[layer], cache.host_v[layer], k, v, pages,
                         offsets.expand(pages.shape))
-    patch(cache, "write_through", write_through)
+    patch(cache, "write_through", write_through)  # other callers (the decode step: its store)
     try:
         yield
     finally:

@@ -254,15 +254,20 @@ class TwoTierCache:
         the decode step capturable); only the per-page-copy baseline goes through its saver."""
         return self.d2h_method != "memcpy"
 
+    def count_direct_saves(self, layer: int, k: torch.Tensor) -> None:
+        """Count a GPU-direct write-through of k [T, Hkv, D] (and as much V) at every layer:
+        a device counter, so replays of a captured step count too; once per step (every
+        layer writes the same rows). The decode step's rows are written by its slot store
+        (kernels/slot_store.py), other callers use write_through."""
+        if layer == 0:
+            self.direct_bytes_saved += 2 * k.numel() * k.element_size() * self.num_layers
+
     def write_through(self, layer: int, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor,
                       offsets: torch.Tensor) -> None:
         """host[pages[t, h], offsets[t]] = k/v[t, h] on the device's stream. k/v [T, Hkv, D];
         pages [T, Hkv] host ids; offsets [T, 1]."""
         hk, hv = self.host_k[layer], self.host_v[layer]
-        # a device counter, so replays of a captured step count too; once per step (every
-        # layer writes the same rows)
-        if layer == 0:
-            self.direct_bytes_saved += 2 * k.numel() * k.element_size() * self.num_layers
+        self.count_direct_saves(layer, k)
         if k.is_cuda:
             from sparseserve.transfer.gpu_direct import gpu_direct_save
             gpu_direct_save(hk, hv, k, v, pages, offsets.expand(pages.shape))

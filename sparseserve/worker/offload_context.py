@@ -41,9 +41,8 @@ class OffloadForwardContext(ForwardContext):
                   v: torch.Tensor) -> torch.Tensor:
         cache = self.cache
         nd = self.num_decode
-        if nd and cache.direct_decode_saves:
-            cache.write_through(layer, k[:nd], v[:nd], self.store_pages[:nd],
-                                self.store_offsets[:nd])
+        if nd and cache.direct_decode_saves:  # written through by _decode's slot store
+            cache.count_direct_saves(layer, k[:nd])
         first = nd if cache.direct_decode_saves else 0
         if k.shape[0] > first:  # prefill rows (and decode rows for the per-page baseline)
             cache.save(layer, k[first:], v[first:], self.save_pages[first:],
@@ -72,8 +71,12 @@ class OffloadForwardContext(ForwardContext):
                                fresh_last=self._decode_plan()["starts"])
         dev_k, dev_v = cache.dev_k[layer], cache.dev_v[layer]
         # the token's page is the selection's last entry, now resident: store the token there
+        # ... and write it through to its host page in the same launch (GPU-direct)
+        host = None
+        if cache.direct_decode_saves:
+            host = (cache.host_k[layer], cache.host_v[layer], self.store_pages[:q.shape[0]])
         last_slot = store_decode_tokens(slots, sel.num_pages, self.store_offsets[:q.shape[0]]
-                                        .view(-1), k, v, dev_k, dev_v)  # [B, Hkv]
+                                        .view(-1), k, v, dev_k, dev_v, host)  # [B, Hkv]
         if self.decode_fills:
             self._index_decode_fills(layer, q, last_slot, summaries)
         slots = slots.to(torch.int32)
