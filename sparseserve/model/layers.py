@@ -20,6 +20,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
+    def add_forward(self, x: torch.Tensor,
+                    residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused path (one Triton launch): x, residual [T, hidden] -> (forward(residual
+        + x), residual + x); residual None: (forward(x), x)."""
+        from sparseserve.kernels.fused_layer_ops import fused_add_rms_norm
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [..., N] with weight [N] (the torch path; kernels/fused_layer_ops fuses it)."""
@@ -155,9 +162,19 @@ class GatedMLP(nn.Module):
         with torch.no_grad():
             fuse_linears(self, "gate_up", [self.gate_proj, self.up_proj])  # one GEMM for both
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden] (+ residual, added after the all-reduce with tp)."""
-        act = silu_mul(x, self.gate_proj.weight, self.up_proj.weight)  # CPU, packed weights
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                fused: bool = False) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden] (+ residual, added after the all-reduce with tp).
+        `fused`: the activation is one Triton launch (kernels/fused_layer_ops.py)."""
+        if fused:
+            from sparseserve.kernels import fused_layer_ops as flo
+            if fused_ok(self.gate_up_weight, [self.gate_proj, self.up_proj]):
+                act = flo.silu_mul(linear(x, self.gate_up_weight), self.intermediate)
+            else:
+                act = flo.silu_mul_split(linear(x, self.gate_proj.weight),
+                                         linear(x, self.up_proj.weight))
+        else:
+            act = silu_mul(x, self.gate_proj.weight, self.up_proj.weight)  # CPU, packed weights
         if act is None:
             if fused_ok(self.gate_up_weight, [self.gate_proj, self.up_proj]):
                 gate, up = linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)

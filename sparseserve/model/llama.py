@@ -52,12 +52,26 @@ class LlamaAttention(nn.Module):
             fuse_linears(self, "qkv", [self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                ctx: AttentionContext, residual: torch.Tensor | None = None) -> torch.Tensor:
+                ctx: AttentionContext, residual: torch.Tensor | None = None,
+                fused: bool = False) -> torch.Tensor:
         # x [T, hidden] -> [T, hidden] (+ residual: fused into the O projection on the CPU)
         # cos_sin: RotaryEmbedding.cos_sin of the tokens' positions (once per step)
+        # fused: RoPE in place in one Triton launch (kernels/fused_layer_ops.py)
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if fused_ok(self.qkv_weight, [self.q_proj, self.k_proj, self.v_proj]):
+        if fused:
+            from sparseserve.kernels import fused_layer_ops as flo
+            if fused_ok(self.qkv_weight, [self.q_proj, self.k_proj, self.v_proj]):
+                qkv = linear(x, self.qkv_weight, self.qkv_bias).view(t, hq + 2 * hkv, d)
+                flo.rotary_qk_(qkv, *cos_sin, hq, hkv)  # q and k heads, in place
+                q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+            else:
+                q = flo.rotary_(linear(x, self.q_proj.weight, self.q_proj.bias).view(t, hq, d),
+                                *cos_sin)
+                k = flo.rotary_(linear(x, self.k_proj.weight, self.k_proj.bias).view(t, hkv, d),
+                                *cos_sin)
+                v = linear(x, self.v_proj.weight, self.v_proj.bias).view(t, hkv, d)
+        elif fused_ok(self.qkv_weight, [self.q_proj, self.k_proj, self.v_proj]):
             qkv = linear(x, self.qkv_weight, self.qkv_bias).view(t, hq + 2 * hkv, d)
             qk = rotate(qkv[:, :hq + hkv], cos_sin)  # q and k in one rotation
             q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
@@ -86,6 +100,19 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(self.input_layernorm(h), cos_sin, ctx, residual=h)
         return self.mlp(self.post_attention_layernorm(h), residual=h)
 
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None,
+                      cos_sin: tuple[torch.Tensor, torch.Tensor],
+                      ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused path (vLLM's layout): the residual stream is residual + x, carried apart
+        so each residual add runs inside the next norm's kernel. x [T, hidden] is the last
+        layer's MLP output (residual None: x is the stream itself) -> (this layer's MLP
+        output, the stream before it). Same roundings as `forward`: the stream after the
+        layer is residual' + x', rounded once."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        a = self.self_attn(h, cos_sin, ctx, fused=True)
+        h, residual = self.post_attention_layernorm.add_forward(a, residual)
+        return self.mlp(h, fused=True), residual
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
@@ -103,6 +130,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
+        # the fused decoder-layer kernels (kernels/fused_layer_ops.py): None = on CUDA tensors
+        # without tp; True forces them (on CPU tensors under Triton's interpreter: tests)
+        self.fused_ops: bool | None = None
         self.model = LlamaModel(cfg, tp)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         if cfg.tie_word_embeddings:
@@ -127,11 +157,24 @@ class LlamaForCausalLM(nn.Module):
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                    start: int, end: int) -> torch.Tensor:
-        """Run layers [start, end) over the residual stream h [T, hidden]."""
+        """Run layers [start, end) over the residual stream h [T, hidden] -> the stream."""
         cos_sin = self.rope.cos_sin(positions)  # every layer rotates with the same factors
+        if not self.use_fused_ops(h):
+            for layer in self.model.layers[start:end]:
+                h = layer(h, cos_sin, ctx)
+            return h
+        residual = None  # the stream is residual + h, summed inside the next norm's kernel
         for layer in self.model.layers[start:end]:
-            h = layer(h, cos_sin, ctx)
-        return h
+            h, residual = layer.forward_fused(h, residual, cos_sin, ctx)
+        # the full stream, as callers (layer-segmented prefill) keep it: one add per range
+        return h if residual is None else residual + h
+
+    def use_fused_ops(self, h: torch.Tensor) -> bool:
+        """Whether run_layers takes the fused-kernel path for h: `fused_ops`, by default on
+        CUDA tensors; never with tp (its all-reduces sit between the GEMM and the add)."""
+        on = h.is_cuda if self.fused_ops is None else self.fused_ops
+        return (on and self.tp is None and h.dtype in (torch.float32, torch.float16, torch.bfloat16)
+                and self.model.norm.weight.dtype == h.dtype)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [N, hidden] (residual stream after the last layer) -> fp32 logits [N, vocab].
