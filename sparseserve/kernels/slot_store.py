@@ -92,9 +92,9 @@ def torch_store_decode_tokens(slots, num_sel, offsets, k, v, dev_k, dev_v,
     dev_k[last, offs] = k
     dev_v[last, offs] = v
     if host is not None:
-        hk, hv, pages = host
+        hk, hv, pages = host  # the host tier may sit on another device (pinned CPU)
         live = pages >= 0
         p, o = pages[live].long(), offs.expand(pages.shape)[live]
-        hk[p, o] = k[live]
-        hv[p, o] = v[live]
+        hk[p.to(hk.device), o.to(hk.device)] = k[live].to(hk.device)
+        hv[p.to(hv.device), o.to(hv.device)] = v[live].to(hv.device)
     return last
