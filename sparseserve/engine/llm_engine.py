@@ -59,6 +59,10 @@ class LLMEngine:
         self._grammar_backend = None  # sparseserve.structured.backend.GrammarBackend, lazily
         self.step_count = 0
         self.last_step_host_time_s = 0.0
+        if self.config.device == "cuda":  # compile the prefill path's kernels before users do
+            from sparseserve.engine.warmup import warm_up
+            warm_up(self)
+            self.step_count = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":

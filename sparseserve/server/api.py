@@ -44,6 +44,7 @@ def create_app(engine: Any, *, served_model_names: Optional[list[str]] = None,
     else:
         names = served_model_names or [getattr(engine, "model_name", None) or "default"]
         metrics = ServerMetrics(names[0], max_model_len=int(engine.max_model_len))
+        metrics.start_from(engine.get_stats())  # count from here: not the start-up warm-up
         async_engine = AsyncLLMEngine(engine, metrics=metrics, max_waiting_requests=max_waiting_requests)
     ctx = ServingContext(async_engine, served_model_names, limits=limits, chat_template=chat_template)
     async_engine.start()

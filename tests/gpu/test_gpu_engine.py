@@ -62,9 +62,10 @@ def test_gpu_forced_offload_equals_resident(tiny_model_dirs, h2d, d2h, inject):
               kv_offloading_size=200 * page_bytes / 2**30, h2d_method=h2d, d2h_method=d2h,
               max_num_batched_tokens=48, max_inject_tokens=inject, **sparse)
     assert llm.engine.scheduler.slot_free_prefill is (inject is not None)
+    misses = llm.engine.get_stats()["cache_misses_total"]  # after the start-up warm-up
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in resident]
-    assert llm.engine.get_stats()["cache_misses_total"] > 0
+    assert llm.engine.get_stats()["cache_misses_total"] > misses
     if h2d == "flash" and d2h != "memcpy":
         assert llm.engine.runner.graphs is not None, llm.engine.runner.graph_error
     llm.engine.check_invariants()
@@ -89,8 +90,9 @@ def test_offload_cuda_graphs_equal_eager_under_eviction(tiny_model_dirs):
               for m in (40, 9, 71, 23, 55, 14, 90, 31)]
     graph = LLM(path, **kw)
     assert graph.engine.runner.graphs is not None, graph.engine.runner.graph_error
+    misses = graph.engine.get_stats()["cache_misses_total"]  # after the start-up warm-up
     g = graph.generate(prompts, params, use_tqdm=False)
-    assert graph.engine.get_stats()["cache_misses_total"] > 0
+    assert graph.engine.get_stats()["cache_misses_total"] > misses
     graph.engine.check_invariants()
     e = LLM(path, enforce_eager=True, **kw).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in g] == [o.outputs[0].token_ids for o in e]

@@ -53,3 +53,24 @@ def test_stats_of_a_step_are_published_before_its_outputs():
     for out, saved in outs:
         steps = len(out.outputs[0].token_ids)
         assert saved >= 1024 * steps, (steps, saved)
+
+
+def test_server_counts_engine_totals_from_its_start():
+    """An engine that already stepped (the start-up warm-up on CUDA, engine/warmup.py) serves
+    /metrics counters from zero: create_app starts the metrics from the engine's totals."""
+    from sparseserve.server.api import create_app
+
+    engine = FakeEngine(step_delay=0.0)
+    engine.hits, engine.steps = 7, 3  # as if three steps had run before the server
+    app = create_app(engine)
+    try:
+        metrics = app.state.engine.metrics
+        metrics.update_stats(engine.get_stats())
+        read = lambda name: metrics.registry.get_sample_value(  # noqa: E731
+            f"sparseserve:{name}", {"model_name": metrics.model_name}) or 0.0
+        assert read("kv_bytes_saved_total") == 0.0 and read("kv_cache_hits_total") == 0.0
+        engine.steps += 1
+        metrics.update_stats(engine.get_stats())
+        assert read("kv_bytes_saved_total") == 1024.0
+    finally:
+        app.state.engine.shutdown(timeout=5)

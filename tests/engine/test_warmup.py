@@ -1,0 +1,80 @@
+"""The start-up warm-up (engine/warmup.py) runs the real step path, includes a hybrid step
+(decode rows beside a prefill), and leaves no trace: no request, no page, no resident slot,
+and the same greedy answers as an engine that never warmed up (all-resident and forced
+offload). On the CPU it is explicit (LLMEngine warms up by itself on CUDA only)."""
+import random
+
+import pytest
+
+from sparseserve import LLM, SamplingParams
+from sparseserve.engine.warmup import warm_up, warmup_prompt_lens
+
+PAGE_BYTES = 2 * 3 * 16 * 16 * 4  # K+V, 3 layers, page_size 16, head_dim 16, fp32 (llama-gqa)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+CONFIGS = {
+    "dense": dict(page_size=16, max_num_seqs=4, max_model_len=256, device="cpu"),
+    "offload": dict(page_size=16, max_num_seqs=4, max_model_len=256, device="cpu",
+                    sparse_algorithm="arkvale", token_budget=64, sink_pages=1, local_pages=1,
+                    kv_offload=True, kv_cache_memory_bytes=48 * PAGE_BYTES,
+                    kv_offloading_size=200 * PAGE_BYTES / 2**30, max_num_batched_tokens=48),
+}
+
+
+def prompts():
+    rng = random.Random(1)
+    return [{"prompt_token_ids": [rng.randrange(3, 320) for _ in range(n)]}
+            for n in (1, 17, 54, 97)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dirs):
+    return tiny_model_dirs["llama-gqa"][0]
+
+
+def test_prompt_lens_cover_both_specialisations():
+    lens = warmup_prompt_lens(32, 8192, 4)
+    assert len(lens) == 2 and any(n % 16 for n in lens) and any(n % 16 == 0 for n in lens)
+    assert all(n % 32 for n in lens if n % 16)  # the odd one also ends inside a page
+    assert warmup_prompt_lens(16, 20, 4) == [15]  # clamped: prompt + decode fit max_model_len
+    assert warmup_prompt_lens(16, 3, 4) == [1]
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_warm_up_leaves_no_trace(model_dir, config):
+    kw = CONFIGS[config]
+    cold = LLM(model_dir, **kw)
+    expected = cold.generate(prompts(), PARAMS, use_tqdm=False)
+    llm = LLM(model_dir, **kw)
+    eng = llm.engine
+    free = eng.num_free_pages()
+    chunks = []  # what each step scheduled: (decode rows, prefill chunks)
+    execute = eng.executor.execute
+
+    def record(out):
+        chunks.append((sum(c.is_decode for c in out.chunks),
+                       sum(not c.is_decode for c in out.chunks)))
+        return execute(out)
+
+    eng.executor.execute = record
+    try:
+        assert warm_up(eng) > 0
+    finally:
+        eng.executor.execute = execute
+    assert any(d and p for d, p in chunks), chunks  # a hybrid step ran
+    assert not eng.has_unfinished_requests()
+    assert not eng.scheduler.running and not eng.scheduler.waiting
+    assert eng.num_free_pages() == free == eng.num_total_pages()
+    eng.check_invariants()
+    if config == "offload":
+        stats = eng.get_stats()
+        assert stats["device_kv_usage"] == 0  # every slot of the warm-up was released
+    outs = llm.generate(prompts(), PARAMS, use_tqdm=False)
+    for a, b in zip(outs, expected):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for t in y:
+                assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-5)
+    with pytest.raises(RuntimeError, match="before the engine takes requests"):
+        eng.add_request("busy", prompts()[1], PARAMS)
+        warm_up(eng)
+    eng.abort_request("busy")
