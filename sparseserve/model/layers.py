@@ -166,21 +166,18 @@ class GatedMLP(nn.Module):
                 fused: bool = False) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden] (+ residual, added after the all-reduce with tp).
         `fused`: the activation is one Triton launch (kernels/fused_layer_ops.py)."""
-        if fused:
-            from sparseserve.kernels import fused_layer_ops as flo
-            if fused_ok(self.gate_up_weight, [self.gate_proj, self.up_proj]):
-                act = flo.silu_mul(linear(x, self.gate_up_weight), self.intermediate)
-            else:
-                act = flo.silu_mul_split(linear(x, self.gate_proj.weight),
-                                         linear(x, self.up_proj.weight))
-        else:
-            act = silu_mul(x, self.gate_proj.weight, self.up_proj.weight)  # CPU, packed weights
+        # CPU, packed weights: the activation rides on the GEMMs (None elsewhere)
+        act = None if fused else silu_mul(x, self.gate_proj.weight, self.up_proj.weight)
         if act is None:
             if fused_ok(self.gate_up_weight, [self.gate_proj, self.up_proj]):
                 gate, up = linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
             else:
                 gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
-            act = F.silu(gate) * up
+            if fused:
+                from sparseserve.kernels.fused_layer_ops import silu_mul_split
+                act = silu_mul_split(gate, up)
+            else:
+                act = F.silu(gate) * up
         if self.tp is None:
             return linear(act, self.down_proj.weight, residual=residual)
         out = self.tp.all_reduce(linear(act, self.down_proj.weight))

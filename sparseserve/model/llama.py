@@ -59,31 +59,27 @@ class LlamaAttention(nn.Module):
         # fused: RoPE in place in one Triton launch (kernels/fused_layer_ops.py)
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if fused:
-            from sparseserve.kernels import fused_layer_ops as flo
-            if fused_ok(self.qkv_weight, [self.q_proj, self.k_proj, self.v_proj]):
-                qkv = linear(x, self.qkv_weight, self.qkv_bias).view(t, hq + 2 * hkv, d)
-                flo.rotary_qk_(qkv, *cos_sin, hq, hkv)  # q and k heads, in place
-                q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
-            else:
-                q = flo.rotary_(linear(x, self.q_proj.weight, self.q_proj.bias).view(t, hq, d),
-                                *cos_sin)
-                k = flo.rotary_(linear(x, self.k_proj.weight, self.k_proj.bias).view(t, hkv, d),
-                                *cos_sin)
-                v = linear(x, self.v_proj.weight, self.v_proj.bias).view(t, hkv, d)
-        elif fused_ok(self.qkv_weight, [self.q_proj, self.k_proj, self.v_proj]):
+        rope = _rotary_in_place if fused else rotate
+        if fused_ok(self.qkv_weight, [self.q_proj, self.k_proj, self.v_proj]):
             qkv = linear(x, self.qkv_weight, self.qkv_bias).view(t, hq + 2 * hkv, d)
-            qk = rotate(qkv[:, :hq + hkv], cos_sin)  # q and k in one rotation
+            qk = rope(qkv[:, :hq + hkv], cos_sin)  # q and k in one rotation
             q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
         else:
-            q = rotate(linear(x, self.q_proj.weight, self.q_proj.bias).view(t, hq, d), cos_sin)
-            k = rotate(linear(x, self.k_proj.weight, self.k_proj.bias).view(t, hkv, d), cos_sin)
+            q = rope(linear(x, self.q_proj.weight, self.q_proj.bias).view(t, hq, d), cos_sin)
+            k = rope(linear(x, self.k_proj.weight, self.k_proj.bias).view(t, hkv, d), cos_sin)
             v = linear(x, self.v_proj.weight, self.v_proj.bias).view(t, hkv, d)
         out = ctx.attention(self.layer, q, k, v).reshape(t, hq * d)  # [T, Hq * D]
         if self.tp is None:
             return linear(out, self.o_proj.weight, residual=residual)
         out = self.tp.all_reduce(linear(out, self.o_proj.weight))
         return out if residual is None else residual + out
+
+
+def _rotary_in_place(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`rotate`'s contract, in place in one Triton launch (x [T, H, D] may be a view of the
+    fused qkv output); returns x."""
+    from sparseserve.kernels.fused_layer_ops import rotary_
+    return rotary_(x, *cos_sin)
 
 
 class LlamaDecoderLayer(nn.Module):
