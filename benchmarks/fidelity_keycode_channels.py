@@ -169,7 +169,7 @@ def shared_sparq_class(cls):
                                      k_cache)
             b, hq, d = q.shape
             w = page_table.shape[2]
-            rows = sh.base + torch.arange(w).view(1, w) * sh.hkv + torch.arange(sh.hkv).view(-1, 1)
+            rows = sh.page_rows(w)
             qg = q.float().view(b, sh.hkv, hq // sh.hkv, d)
             x = self.token_logits(qg, self.page_mean(summaries, rows),
                                   self.approx_keys(summaries, rows), True,

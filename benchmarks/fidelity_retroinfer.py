@@ -66,7 +66,7 @@ def shared_retroinfer_class(cls):
                 return super().cluster_logits(q, page_table, num_pages, summaries, scale)
             b, hq, d = q.shape
             w, c = page_table.shape[2], self.n_clusters
-            rows = sh.base + torch.arange(w).view(1, w) * sh.hkv + torch.arange(sh.hkv).view(-1, 1)
+            rows = sh.page_rows(w)
             cent = summaries["cent"][rows].float().view(sh.hkv, w, c, d)
             cnt = summaries["count"][rows].float()  # [Hkv, w, C]
             x = torch.einsum("bhgd,hwcd->bhgwc", q.float().view(b, sh.hkv, hq // sh.hkv, d),

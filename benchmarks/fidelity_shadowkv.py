@@ -54,7 +54,7 @@ def shared_shadowkv_class(cls):
                 return super().chunk_logits(q, page_table, num_pages, summaries)
             b, hq, d = q.shape
             w, c = page_table.shape[2], self.n_chunks
-            rows = sh.base + torch.arange(w).view(1, w) * sh.hkv + torch.arange(sh.hkv).view(-1, 1)
+            rows = sh.page_rows(w)
             lm = summaries["landmarks"].view(-1, c, d)[rows].float()        # [Hkv, w, C, D]
             gap = summaries["cosgap"].view(-1, c)[rows].float().unsqueeze(0)  # [1, Hkv, w, C]
             x = torch.einsum("bhgd,hwcd->bhgwc", q.float().view(b, sh.hkv, hq // sh.hkv, d), lm)

@@ -38,6 +38,10 @@ class SharedText:
         self.seq_lens: torch.Tensor | None = None  # [B] tokens each row attends (position + 1)
         self._cache: tuple | None = None  # (layer, q, scores, probs)
 
+    def page_rows(self, w: int) -> torch.Tensor:
+        """[Hkv, w] the summary rows (page ids) of the text's first w pages per KV head."""
+        return self.base + torch.arange(w).view(1, w) * self.hkv + torch.arange(self.hkv).view(-1, 1)
+
     def set_rows(self, seq_lens: torch.Tensor) -> None:
         self.seq_lens = seq_lens.long()
         self._cache = None
@@ -225,7 +229,7 @@ def bound_scores(sh: SharedText, q: torch.Tensor, lo: torch.Tensor, hi: torch.Te
     per page row (hi, lo [S, n_sub * D]) the page's bound is the max of its boxes' (per_box:
     [B, Hkv, G, w, n_sub], each box's)."""
     b, hq, d = q.shape
-    rows = sh.base + torch.arange(w).view(1, w) * sh.hkv + torch.arange(sh.hkv).view(-1, 1)
+    rows = sh.page_rows(w)
     hi_t = hi[rows].float().view(sh.hkv, w, n_sub, d)  # [Hkv, w, n, D]
     lo_t = lo[rows].float().view(sh.hkv, w, n_sub, d)
     qg = q.float().view(b, sh.hkv, hq // sh.hkv, d)
@@ -279,7 +283,7 @@ def shared_codes_class(cls):
                                      k_cache)
             b, hq, d = q.shape
             w = page_table.shape[2]
-            rows = sh.base + torch.arange(w).view(1, w) * sh.hkv + torch.arange(sh.hkv).view(-1, 1)
+            rows = sh.page_rows(w)
             kh = self.approx_keys(summaries, rows)  # [Hkv, w, ps, D]
             scale = d ** -0.5
             x = torch.einsum("bhgd,hwtd->bhgwt", q.float().view(b, sh.hkv, hq // sh.hkv, d),
@@ -312,7 +316,7 @@ def shared_shortlist_class(cls):
             past = torch.arange(w).view(1, 1, 1, w) >= num_pages.unsqueeze(-1).unsqueeze(-1)
             box = bound_scores(sh, q, *self.shortlist_box(summaries), w)
             in_short = self.shortlist(box.masked_fill(past, float("-inf")), num_pages, scale)
-            rows = sh.base + torch.arange(w).view(1, w) * sh.hkv + torch.arange(sh.hkv).view(-1, 1)
+            rows = sh.page_rows(w)
             kh = self.approx_keys(summaries, rows)  # [Hkv, w, ps, D]
             x = torch.einsum("bhgd,hwtd->bhgwt", q.float().view(b, sh.hkv, hq // sh.hkv, d),
                              kh) * scale
