@@ -1,9 +1,13 @@
 """End to end: presets side by side on one offline trace through LLMEngine (the end-to-end
 issue's measurement; `sparseserve bench serve` measures the same through the server).
 
-Traces (every request arrives at t=0, greedy, ignore_eos):
+Traces (greedy, ignore_eos; every request arrives at t=0 unless --request-rate is given):
   mix40   40 requests, prompts log-uniform in [2k, 24k] tokens, outputs uniform in [32, 512]
   long32  32 requests, prompts uniform in [8k, 16k], 512 output tokens
+  light8  the HTTP light-load run's requests (`benchmarks/serving_http.py --num-prompts 8
+          --max-input-len 4096 --max-model-len 5120`: LongBench-shaped, seed --seed); with
+          --request-rate 2 the same Poisson send times, so its per-step records say where that
+          run's TTFT and TBT go
 Configurations: the presets (dense, sparse, sparse-offload, sparseserve) and ablations of the
 full system (sparseserve-chunked: no layer-segmented prefill; sparseserve-no-wc: no
 working-set control; sparseserve-flashd2h: prefill saves by FlashD2H's CPU scatter instead of
@@ -41,12 +45,22 @@ CONFIGS = {
     # the preset's GPU-direct writes from a side stream
     "sparseserve-flashd2h": dict(preset="sparseserve", d2h_method="flash"),
 }
-TRACES = ("mix40", "long32")
+TRACES = ("mix40", "long32", "light8")
 
 
 def make_trace(name: str, vocab: int, seed: int, scale: float = 1.0) -> list[dict]:
     """Prompt lengths and output limits of a trace (`scale` shrinks lengths for smoke runs)."""
     rng = np.random.default_rng(seed)
+    if name == "light8":
+        from sparseserve.bench.serve_datasets import build_requests
+        # a smoke run (scale < 1) shrinks prompts and fixes outputs at 16 tokens
+        small = dict(longbench_output_len=16) if scale < 1 else {}
+        cap = max(16, int(4096 * scale))
+        reqs = build_requests("longbench", 8, seed, vocab_size=vocab, token_ids=True,
+                              max_input_len=cap, max_model_len=cap + 16 if small else 5120,
+                              **small)
+        return [{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.output_len}
+                for r in reqs]
     if name == "mix40":
         n = 40
         plen = np.exp(rng.uniform(np.log(2048), np.log(24576), n))
@@ -166,16 +180,17 @@ def table(result: dict) -> str:
     rows = []
     for name, r in result["runs"].items():
         if "wall_s" not in r:
-            rows.append([name, "error: " + r.get("error", "?")[:60]] + [""] * 10)
+            rows.append([name, "error: " + r.get("error", "?")[:60]] + [""] * 11)
             continue
         v = r.get("vs_dense", {})
         rows.append([name, C.fmt(r["wall_s"]), C.fmt(v.get("wall"), 2), C.fmt(r["output_tokens_per_s"], 0),
-                     C.fmt(r["ttft_s"]["mean"], 2), C.fmt(r["p99_tbt_ms"], 0),
+                     C.fmt(r["ttft_s"]["mean"], 2), C.fmt(r["tbt_ms"]["mean"], 1),
+                     C.fmt(r["p99_tbt_ms"], 0),
                      C.fmt(r["prefill_tokens_per_s_in_prefill_steps"], 0),
                      C.fmt(r["pure_decode_ms_per_step"], 1), C.fmt(r["pure_decode_mean_batch"], 1),
                      C.fmt(r["pages_loaded_per_decode_step"], 0), r["num_preemptions"],
                      C.fmt(r["recomputed_tokens"], 0)])
-    head = ["config", "wall s", "x dense", "out tok/s", "TTFT s", "p99 TBT ms", "prefill tok/s",
+    head = ["config", "wall s", "x dense", "out tok/s", "TTFT s", "TBT ms", "p99 TBT ms", "prefill tok/s",
             "decode ms", "batch", "loaded/step", "preempt", "recomputed"]
     out = C.table(head, rows)
     if result["errors"]:
@@ -194,6 +209,9 @@ def main(argv=None) -> int:
     p.add_argument("--token-budget", type=int, default=2048)
     p.add_argument("--num-requests", type=int, default=None,
                    help="only the first N requests of the trace")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Poisson arrivals at this rate (requests/s; the first at t=0, send times as "
+                        "`sparseserve bench serve --seed`); inf = every request at t=0")
     p.add_argument("--time-budget-s", type=float, default=560)
     p.add_argument("--run-budget-s", type=float, default=200, help="cap of one configuration's run")
     p.add_argument("--enforce-eager", action="store_true",
@@ -225,6 +243,9 @@ def main(argv=None) -> int:
         result["settings"]["model_label"] = label
         trace = make_trace(args.trace, cfg["vocab_size"], args.seed, args.scale)
         trace = trace[:args.num_requests] if args.num_requests else trace
+        from sparseserve.bench.serve_runner import arrival_offsets
+        for t, at in zip(trace, arrival_offsets(len(trace), args.request_rate, seed=args.seed)):
+            t["arrival_s"] = float(at)
         result["trace"] = {"name": args.trace, "prompt_lens": [len(t["prompt_token_ids"]) for t in trace],
                            "max_tokens": [t["max_tokens"] for t in trace]}
         for name in names:

@@ -1,7 +1,8 @@
 """One end-to-end run of benchmarks/system.py: a trace through LLMEngine.add_request/step, as a
 user of the offline API drives it, with per-step records taken from the scheduler's output.
 
-Every request arrives at t=0 (the offline trace of the end-to-end issue). Per step: wall time
+Every request arrives at t=0 (the offline trace of the end-to-end issue) unless its trace entry
+has an "arrival_s" (then it is added once the clock passes it; TTFT counts from it). Per step: wall time
 (the device synchronised after each step, so a step's time is its own), decode rows, prefill
 work (prompt tokens x layers run / layers), pages loaded from DRAM, requests waiting for
 device slots, the admitted working-set estimate. Per request: TTFT, the token times (TBT).
@@ -194,16 +195,28 @@ def run_trace(engine, trace: list[dict], device: str, stop_at: float,
     truncated = False
     C.synchronize(device)
     t0 = time.perf_counter()
-    for rid, req in zip(ids, trace):
-        engine.add_request(rid, {"prompt_token_ids": req["prompt_token_ids"]},
-                           SamplingParams(temperature=0.0, max_tokens=req["max_tokens"],
-                                          ignore_eos=True))
+    pending = sorted(zip(ids, trace), key=lambda x: x[1].get("arrival_s", 0.0), reverse=True)
+
+    def admit(now: float) -> None:
+        while pending and pending[-1][1].get("arrival_s", 0.0) <= now:
+            rid, req = pending.pop()
+            engine.add_request(rid, {"prompt_token_ids": req["prompt_token_ids"]},
+                               SamplingParams(temperature=0.0, max_tokens=req["max_tokens"],
+                                              ignore_eos=True))
+
+    admit(0.0)
     loaded_prev = stats0.get("pages_loaded_total", 0)
     wait_prev = stats0.get("save_wait_seconds_total", 0.0)
     with StepRecorder(engine.executor, L) as rec:
-        while engine.has_unfinished_requests():
+        while pending or engine.has_unfinished_requests():
+            admit(time.perf_counter() - t0)
+            if not engine.has_unfinished_requests():
+                time.sleep(max(0.0, pending[-1][1]["arrival_s"] - (time.perf_counter() - t0)))
+                continue
             if time.perf_counter() > stop_at:
-                engine.abort_request(ids)
+                waiting = {rid for rid, _ in pending}
+                engine.abort_request([r for r in ids if r not in waiting])
+                pending.clear()
                 truncated = True
                 break
             allocs0 = _device_allocs()  # memory_stats() builds a dict: not inside the timing
@@ -239,7 +252,8 @@ def run_trace(engine, trace: list[dict], device: str, stop_at: float,
 
 def summarize_run(trace, ids, token_times, steps, wall, L, stats0, stats1, truncated) -> dict:
     out_tokens = sum(len(token_times.get(r, [])) for r in ids)
-    ttft = [token_times[r][0] for r in ids if token_times.get(r)]
+    arrival = {r: t.get("arrival_s", 0.0) for r, t in zip(ids, trace)}
+    ttft = [token_times[r][0] - arrival[r] for r in ids if token_times.get(r)]
     tbt = [b - a for r in ids for a, b in zip(token_times.get(r, []), token_times.get(r, [])[1:])]
     prompt_total = sum(len(t["prompt_token_ids"]) for t in trace)
     pre_steps = [s for s in steps if s.get("prefill_token_layers")]
