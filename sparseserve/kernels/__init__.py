@@ -28,7 +28,8 @@ from . import ref
 
 __all__ = ["paged_decode_attention", "update_page_summaries", "score_pages", "head_bounds",
            "select_pages", "select_pages_shortlist", "code_page_bounds",
-           "channel_code_page_bounds", "channel_codes_supported", "resolve_backend",
+           "channel_code_page_bounds", "channel_codes_supported", "sparq_channels",
+           "sparq_page_bounds", "sparq_supported", "resolve_backend",
            "patch_triton_interpreter", "BACKENDS", "SCORE_MODES", "ref"]
 
 BACKENDS = ("auto", "triton", "torch")
@@ -141,7 +142,7 @@ def head_bounds(q, kmin, kmax, page_table, num_pages, *, backend=None, n_sub=1):
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
                  local_pages, out_pages=None, out_num=None, out_blocks=None, *, backend=None,
                  num_splits=None, n_sub=1, codes=None, bits=0, kmean=None, chan=None,
-                 kscale=None):
+                 kscale=None, sparq_chan=None):
     """Fused Quest/ArkVale selection (score + kept pages + top-k); see
     ``page_select.select_pages``.
 
@@ -153,10 +154,15 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     ``codes``, ``bits`` > 0: token key codes score the pages (``ref.code_page_bounds``).
     ``kmean``, ``chan``, ``kscale`` with ``codes``: channel key codes score them
     (``ref.channel_code_page_bounds``; kmin / kmax are the coded channels' ranges).
+    ``sparq_chan`` [B, Hkv, R] with ``codes`` (channel-major), ``kmean``, ``kscale``: each row
+    decodes its R channels of every page (``ref.sparq_page_bounds``; kmin / kmax [S, D]).
     """
-    cc = dict(kmean=kmean, chan=chan, kscale=kscale)
+    cc = dict(kmean=kmean, chan=chan, kscale=kscale, sparq_chan=sparq_chan)
     if chan is not None and not channel_codes_supported(kmin.shape[-1], q.shape[-1]):
         backend = "torch"  # too few coded channels for the kernel
+    if sparq_chan is not None and not sparq_supported(sparq_chan.shape[-1], q.shape[-1],
+                                                      codes.shape[1]):
+        backend = "torch"
     if resolve_backend(backend, q) == "torch":
         return ref.select_pages(q, kmin, kmax, page_table, num_pages, last_page_len,
                                 budget_pages, sink_pages, local_pages, out_pages, out_num,
@@ -201,6 +207,44 @@ def channel_code_page_bounds(q, kmean, klo, khi, chan, codes, page_table, num_pa
     if not channel_codes_supported(klo.shape[1], q.shape[2]):
         return ref.channel_code_page_bounds(*args)
     from .channel_codes import channel_code_page_bounds as _triton
+    return _triton(*args)
+
+
+def sparq_supported(R: int, D: int, code_words: int) -> bool:
+    """Whether the Triton SparQ-style score kernels take R decoded channels of head_dim D with
+    ``code_words`` words of channel-major codes per page (page_size a power of two >= 16)."""
+    ps = code_words * 16 // D
+    return channel_codes_supported(R, D) and ps * D == code_words * 16 and ps >= 16 \
+        and ps & (ps - 1) == 0
+
+
+def sparq_channels(q, kmin, kmax, wsum, page_table, num_pages, channels, *, backend=None):
+    """The R channels each (request, KV head) row decodes in the SparQ-style key-code select;
+    see ``ref.sparq_channels``. Triton (``sparq_codes``) reads and updates the per-page width
+    sums ``wsum`` [S, D] fp32; the reference recomputes them (``wsum`` unused).
+
+    q [B, Hq, D], kmin/kmax [S, D], page_table [B, Hkv, W] int32, num_pages [B, Hkv] int32
+    -> [B, Hkv, R] int32."""
+    if resolve_backend(backend, q) == "torch":
+        return ref.sparq_channels(q, kmin, kmax, page_table, num_pages, channels)
+    from .sparq_codes import sparq_channels as _triton
+    return _triton(q, kmin, kmax, wsum, page_table, num_pages, channels)
+
+
+def sparq_page_bounds(q, kmean, kscale, kmin, kmax, codes, chosen, page_table, num_pages,
+                      out=None, *, backend=None):
+    """Per-query-head page scores of the SparQ-style key codes (log-sum-exp of the
+    approximate logits, in bound units); see ``ref.sparq_page_bounds``. Triton:
+    ``sparq_codes`` (where ``sparq_supported``; the reference otherwise).
+
+    q [B, Hq, D], kmean [S, D] (int8 with kscale [S, 1]), kmin/kmax [S, D], codes
+    [S, D * page_size / 16] int32 channel-major, chosen [B, Hkv, R], page_table [B, Hkv, W]
+    int32, num_pages [B, Hkv] int32 -> [B, Hkv, G, W] float32."""
+    args = (q, kmean, kscale, kmin, kmax, codes, chosen, page_table, num_pages, out)
+    if resolve_backend(backend, q) == "torch" or not sparq_supported(
+            chosen.shape[-1], q.shape[-1], codes.shape[1]):
+        return ref.sparq_page_bounds(*args)
+    from .sparq_codes import sparq_page_bounds as _triton
     return _triton(*args)
 
 

@@ -45,6 +45,7 @@ import triton.language as tl
 from . import patch_triton_interpreter
 from .channel_codes import chan_code_page_x
 from .code_scores import decode_page_keys
+from .sparq_codes import sparq_page_x
 
 patch_triton_interpreter()
 
@@ -110,7 +111,7 @@ def _page_select_kernel(
     stride_kb, stride_kh, stride_pb, stride_ph, stride_bb, stride_bh, stride_nb,
     W, k_top, k_out, sink, local, chunks_per_split, num_splits, qk_scale,
     NSUB: tl.constexpr, BITS: tl.constexpr, PS: tl.constexpr, R: tl.constexpr,
-    INT8_MEAN: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+    INT8_MEAN: tl.constexpr, SPARQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, TILE: tl.constexpr, ONE_TILE: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, DO_SCORE: tl.constexpr,
@@ -145,7 +146,13 @@ def _page_select_kernel(
             need = offs_w < n - 1  # full pages, kept ones included (they normalise too)
             page = tl.load(pt_row + offs_w, mask=need, other=0).to(tl.int64)
             m2 = need[:, None] & d_ok[None, :]
-            if R > 0:  # channel key codes (kmin / kmax: the R coded channels' ranges)
+            if SPARQ:  # the row's R channels of every page (chan: [B, Hkv, R] of them)
+                x = sparq_page_x(
+                    mean_ptr, kmin_ptr, kmax_ptr, codes_ptr, kscale_ptr, chan_ptr + b64 *
+                    stride_chan + h * R, stride_mean, stride_min, stride_max, stride_codes, q_ptr
+                    + b64 * stride_qb + h * G * stride_qh, stride_qh, qt, page, need, qk_scale,
+                    D, BLOCK_D, BLOCK_W, PS, R, G, GP, INT8_MEAN, DOT_PREC)
+            elif R > 0:  # channel key codes (kmin / kmax: the R coded channels' ranges)
                 x = chan_code_page_x(mean_ptr, kmin_ptr, kmax_ptr, chan_ptr, codes_ptr,
                                      kscale_ptr, stride_mean, stride_min, stride_max,
                                      stride_chan, stride_codes,
@@ -272,7 +279,7 @@ def _default_splits(q, rows: int, chunks: int) -> int:
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
                  local_pages, out_pages=None, out_num=None, out_blocks=None, *, num_splits=None,
                  block_w=None, num_warps=None, n_sub=1, codes=None, bits=0, kmean=None,
-                 chan=None, kscale=None):
+                 chan=None, kscale=None, sparq_chan=None):
     """Fused Quest/ArkVale page selection by estimated attention mass
 (``SparseAlgorithm.select``'s contract over ``Quest.score``; spec: ``ref.select_pages``).
 
@@ -297,6 +304,9 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                        ``codes``, bits 2): kmean [S, D] (int8 with kscale [S, 1]), chan
                        [S, R / 4] int32, and kmin / kmax [S, R] the coded channels' ranges;
                        scores as ``ref.channel_code_page_bounds``
+        sparq_chan:    [B, Hkv, R] int32 with kmean / kscale / codes (channel-major, bits 2)
+                       and kmin / kmax [S, D]: each row decodes its R channels
+                       (``sparse/keycode_sparq.py``; scores as ``ref.sparq_page_bounds``)
     Returns:
         pages [B, Hkv, K] int32 physical ids, num_sel [B, Hkv] int32, blocks [B, Hkv, K] int64
         logical indices, K = max(1, min(budget - 1, W)) + 1 (= budget when W >= budget - 1).
@@ -311,14 +321,17 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     B, Hq, D = q.shape
     _, Hkv, W = page_table.shape
     assert Hq % Hkv == 0 and W >= 1
-    R = kmin.shape[-1] if chan is not None else 0
+    sparq = sparq_chan is not None
+    chan = sparq_chan.to(torch.int32).contiguous() if sparq else chan  # sparq: [B, Hkv, R]
+    R = (chan.shape[-1] if sparq else kmin.shape[-1]) if chan is not None else 0
     ps = 1
     if R:
         from . import channel_codes_supported
         assert channel_codes_supported(R, D) and bits == 2 and codes is not None and n_sub == 1
         assert kmean.shape[-1] == D and kmean.stride(1) == 1 and chan.dtype == torch.int32
-        ps = codes.shape[1] * 16 // R
-        assert ps * R == codes.shape[1] * 16 and ps & (ps - 1) == 0
+        nc = D if sparq else R  # the channels whose codes a page row holds
+        ps = codes.shape[1] * 16 // nc
+        assert ps * nc == codes.shape[1] * 16 and ps & (ps - 1) == 0 and (ps >= 16 or not sparq)
         if not q.is_cuda and kmax.dtype == torch.bfloat16 and kscale is None:
             kmean = kmean.float()  # with kmin / kmax below: the interpreter's bf16 dot
     else:
@@ -335,10 +348,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     assert q.stride(2) == 1 and kmin.stride(1) == 1 and kmax.stride(1) == 1
     page_table = page_table.to(torch.int32)  # no-ops for the engine's int32 tables
     num_pages = num_pages.to(torch.int32)
-    if page_table.stride(2) != 1:
-        page_table = page_table.contiguous()
-    if num_pages.stride(1) != 1:
-        num_pages = num_pages.contiguous()
+    page_table = page_table if page_table.stride(2) == 1 else page_table.contiguous()
+    num_pages = num_pages if num_pages.stride(1) == 1 else num_pages.contiguous()
     k_top = max(1, min(budget_pages - 1, W))
     k_out = k_top + 1
     dev = q.device
@@ -383,7 +394,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
             out_pages.stride(0), out_pages.stride(1), out_blocks.stride(0), out_blocks.stride(1),
             out_num.stride(0), W, k_top, k_out, sink_pages, local_pages, cps, splits,
             D ** -0.5 * LOG2E)
-    meta = dict(NSUB=n_sub, BITS=bits, PS=ps, R=R, INT8_MEAN=kscale is not None, G=G, GP=GP, D=D, BLOCK_W=block_w, BLOCK_D=BLOCK_D,
+    meta = dict(NSUB=n_sub, BITS=bits, PS=ps, R=R, INT8_MEAN=kscale is not None, SPARQ=sparq,
+                G=G, GP=GP, D=D, BLOCK_W=block_w, BLOCK_D=BLOCK_D,
                 BLOCK_S=triton.next_power_of_2(splits), TILE=TILE, ONE_TILE=TILE >= W,
                 BLOCK_K=triton.next_power_of_2(k_out),
                 # fp32 summaries: exact products (no TF32); 16-bit operands multiply exactly

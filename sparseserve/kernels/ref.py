@@ -290,7 +290,7 @@ def page_mass(q, kmin, kmax, page_table, num_pages, sink_pages, local_pages, out
 
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
                  local_pages, out_pages=None, out_num=None, out_blocks=None, n_sub=1,
-                 codes=None, bits=0, kmean=None, chan=None, kscale=None):
+                 codes=None, bits=0, kmean=None, chan=None, kscale=None, sparq_chan=None):
     """Quest/ArkVale page selection: ``page_mass`` + kept pages + top-k, exactly
     ``SparseAlgorithm.select``'s torch path over ``Quest.score`` (the spec of
     ``page_select.select_pages``).
@@ -303,6 +303,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                        instead of their boxes' bounds (kmin / kmax: the codes' range)
         kmean, chan, kscale: channel key codes (with codes): pages scored by
                        ``channel_code_page_bounds`` (kmin / kmax: the coded channels' ranges)
+        sparq_chan:    [B, Hkv, R] with codes (channel-major), kmean, kscale: pages scored by
+                       ``sparq_page_bounds`` (each row decodes its R channels)
         page_table:    [B, Hkv, W] int32   all of each request's pages in order
         num_pages:     [B, Hkv] int32      valid entries of page_table (1..W)
         last_page_len: [B] int32           unused (the caller's Selection carries it)
@@ -316,7 +318,11 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         entries past it repeat the last page.
     """
     B, _, W = page_table.shape
-    if chan is not None:  # channel key codes: approximate token attention mass per page
+    if sparq_chan is not None:  # the row's channels of every page
+        u = sparq_page_bounds(q, kmean, kscale, kmin, kmax, codes, sparq_chan, page_table,
+                              num_pages)
+        scores = mass_from_bounds(u, num_pages, sink_pages, local_pages, q.shape[-1] ** -0.5)
+    elif chan is not None:  # channel key codes: approximate token attention mass per page
         u = channel_code_page_bounds(q, kmean, kmin, kmax, chan, codes, page_table, num_pages,
                                      kscale)
         scores = mass_from_bounds(u, num_pages, sink_pages, local_pages, q.shape[-1] ** -0.5)
@@ -451,3 +457,4 @@ def paged_decode_lse(q, k_cache, page_table, num_pages, last_page_len, scale):
 
 # the key-code page scores live in ref_codes.py (this file stays one page per topic)
 from .ref_codes import channel_code_page_bounds, code_page_bounds  # noqa: E402
+from .ref_sparq import sparq_channels, sparq_page_bounds  # noqa: E402,F401

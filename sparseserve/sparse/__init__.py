@@ -5,6 +5,7 @@ from sparseserve.sparse import keycode_shortlist  # noqa: F401  (key codes of a 
 from sparseserve.sparse import retroinfer  # noqa: F401  (RetroInfer-style clusters + estimation zone)
 from sparseserve.sparse import shadowkv  # noqa: F401  (ShadowKV-style chunk landmarks)
 from sparseserve.sparse import keycode_channels  # noqa: F401  (key codes on a few channels per page)
+from sparseserve.sparse import keycode_sparq  # noqa: F401  (key codes on channels chosen per query)
 from sparseserve.sparse.base import (LayerSummaries, Selection, SparseAlgorithm,
                                      available_algorithms, get_algorithm_class, register)
 
