@@ -10,7 +10,10 @@ layer's K/V pool holds every request's pages in a random physical order (fragmen
   ``kernels.select_pages``: per-head bounds, mass scores, kept pages and top-k in one kernel,
   or two launches in split mode; for keycode2 the same kernel decoding key codes; for the
   key-code shortlist ``keycode2-sl`` / ``keycode2-sl2`` ``kernels.select_pages_shortlist``:
-  the box select at budget S = 4 / 2 x budget, the code select over those S pages, a gather);
+  the box select at budget S = 4 / 2 x budget, the code select over those S pages, a gather;
+  for ``keycode2-sparq`` the channel choice ``kernels.sparq_channels`` then ``select_pages``
+  with ``sparq_chan=``; the width-sum cache is warm after the first call, as in decode steps
+  where no page fills: ``SPARSESERVE_SPARQ_WIDTH_CACHE=0`` times the recompute every call);
   attend:
   ``paged_decode_attention`` over the selection; their sum; and select + attend captured together
   in one CUDA graph;
@@ -24,8 +27,9 @@ layer's K/V pool holds every request's pages in a random physical order (fragmen
   ``torch.topk`` alone (sorted / unsorted), the rest (``select_glue_us``);
 * bytes each reads (dense: all K/V; attend: the selected pages' K/V; select: every summary
   row of every page + page table — for the shortlist: every page's box, box and codes of the S
-  shortlisted pages only; ``checks.spec_set_mismatch_frac``: its selection of request 0 vs
-  ``ref.select_pages_shortlist``) -> TB/s and its fraction of a device-to-device copy measured in the same run
+  shortlisted pages only; for keycode2-sparq the int8 mean and the R chosen channels' box and
+  codes of every page, and ``select_sector_bytes``: the 32-byte sectors those lie in;
+  ``checks.spec_set_mismatch_frac``: its selection of request 0 vs ``ref.select_pages_shortlist``) -> TB/s and its fraction of a device-to-device copy measured in the same run
   (``copy_`` of a 2 GiB buffer, read + write bytes); summary bytes / KV bytes.
 
 Two timings per operation. ``*_us``: device time (a spin kernel holds the GPU while the CPU
@@ -45,6 +49,8 @@ Combos that do not fit in free memory, or past ``--budget-s`` (270 s), are skipp
     python benchmarks/sparse_decode.py --out DIR          # H200, about 1-2 minutes
     python benchmarks/sparse_decode.py --out DIR --contexts 131072 --batches 16 \
         --algorithms arkvale,keycode2,keycode2-sl,keycode2-sl2 --budget-s 120  # the shortlist
+    python benchmarks/sparse_decode.py --out DIR --contexts 131072 --batches 16 \
+        --algorithms keycode2-sparq,keycode2-c4,keycode2 --budget-s 200  # runtime channels
     python benchmarks/sparse_decode.py --smoke --out DIR  # CPU, Triton interpreter
 
 Writes DIR/sparse_decode.json (rows, command, GPU, versions, date) and DIR/sparse_decode.png;

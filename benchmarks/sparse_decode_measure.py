@@ -114,8 +114,13 @@ def measure_combo(torch, bench, s, pool, ctx, batch, copy_bw, backend, graphs):
             r["graph_error"] = "skipped: CUDA graphs need a GPU"
         sel_pages = sel.num_pages.long()
         attend_bytes = int(sel_pages.sum()) * ps * d * 2 * es
-        summ_bytes_read = batch * hkv * _summary_bytes_per_row(alg, summ, n)
+        summ_bytes_read = int(batch * hkv * _summary_bytes_per_row(alg, summ, n))
         select_bytes = summ_bytes_read + pt.numel() * pt.element_size()
+        if hasattr(alg, "select_bytes_per_page"):  # what the DRAM sectors move, expected
+            r["select_sector_bytes"] = int(batch * hkv * _summary_bytes_per_row(
+                alg, summ, n, sectors=True) + pt.numel() * pt.element_size())
+            r["select_sector_bw_tbs"] = tbs(r["select_sector_bytes"], r["select_us"])
+            r["select_sector_bw_frac_copy"] = frac(r["select_sector_bw_tbs"], copy_bw)
         summ_total = sum(x.numel() * x.element_size() for x in summ.tensors.values())
         r["select_plus_attend_us"] = r["select_us"] + r["attend_us"]
         r["dense_us"] = dense_us
@@ -191,6 +196,8 @@ def _fused_call(alg, summ, q, pt, npg, lpl, backend):
     if "kmin" not in summ.tensors or "kmax" not in summ.tensors:
         return None
     a = (alg.budget_pages, alg.sink_pages, alg.local_pages)
+    if hasattr(alg, "select_kernel"):  # its own kernels (keycode2-sparq: channels + select)
+        return lambda: alg.select_kernel(q, pt, npg, lpl, summ, backend=backend)  # noqa: E731
     if getattr(alg, "shortlist_pages", None) is not None:
         return lambda: select_pages_shortlist(  # noqa: E731
             q, summ["kmin"], summ["kmax"], summ["codes"], pt, npg, lpl, alg.budget_pages,
@@ -202,11 +209,15 @@ def _fused_call(alg, summ, q, pt, npg, lpl, backend):
                                 backend=backend)
 
 
-def _summary_bytes_per_row(alg, summ, n):
+def _summary_bytes_per_row(alg, summ, n, sectors=False):
     """Summary bytes one (request, KV head) row's select reads at n pages: every summary row
     of every page; for the key-code shortlist, the box of every page and box + codes of the
-    shortlisted pages only."""
+    shortlisted pages only; for keycode2-sparq the mean and the chosen channels' box and
+    codes of every page (``sectors``: the 32-byte sectors those lie in, expected)."""
     row = {name: t.shape[1] * t.element_size() for name, t in summ.tensors.items()}
+    if hasattr(alg, "select_bytes_per_page"):  # the chosen channels only, + one wsum row
+        d, es = summ["kmin"].shape[1], summ["kmin"].element_size()
+        return n * alg.select_bytes_per_page(d, es, sectors) + row["wsum"]
     s = getattr(alg, "shortlist_pages", None)
     if s is not None and s < n:
         return n * (row["kmin"] + row["kmax"]) + s * sum(row.values())

@@ -53,6 +53,7 @@ power of two) and run the reference otherwise.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -165,8 +166,21 @@ class KeyCodeSparQ(SparseAlgorithm):
                             backend=backend, codes=summaries["codes"], bits=2,
                             kmean=summaries["kmean"], kscale=summaries["kscale"], sparq_chan=ch)
 
-    def select_bytes_per_page(self, head_dim: int, element_size: int) -> int:
-        """Summary bytes a select uses per page of a row (not counting whole sectors):
-        the int8 mean and its scale, the chosen channels' box entries and codes."""
-        r = self.decoded_channels(head_dim)
-        return head_dim + 4 + r * (2 * element_size + self.page_size // 4)
+    def select_bytes_per_page(self, head_dim: int, element_size: int,
+                              sectors: bool = False) -> float:
+        """Summary bytes a select reads per page of a row: the int8 mean and its scale, the
+        chosen channels' box entries and codes (``68 + 12 R`` at D 64, bf16); ``sectors``: the
+        expected bytes of the 32-byte sectors they lie in, for R channels drawn at random
+        (module docstring)."""
+        r, d = self.decoded_channels(head_dim), head_dim
+        code_b = self.page_size // 4  # one channel's codes
+        if not sectors:
+            return d + 4 + r * (2 * element_size + code_b)
+
+        def hit(per):  # the chance that a sector of `per` channels holds a chosen one
+            return 1 - math.comb(d - per, r) / math.comb(d, r) if d > per else 1.0
+
+        box_per = max(1, 32 // element_size)
+        code_per = max(1, 32 // code_b)
+        return (-(-d // 32) * 32 + 32 + 2 * 32 * -(-d // box_per) * hit(box_per)
+                + 32 * -(-d // code_per) * hit(code_per) * max(1, code_b // 32))

@@ -203,3 +203,26 @@ def test_smoke_key_code_shortlist(tmp_path):
     box, codes = 2 * d * 4, s["page_size"] * d * 2 // 8  # fp32 box rows, 2-bit codes
     assert sl["select_bytes"] == hkv * (n * box + 8 * (box + codes)) + hkv * n * 4
     assert rows["keycode2"]["select_bytes"] == hkv * n * (box + codes) + hkv * n * 4
+
+
+def test_smoke_keycode_sparq(tmp_path):
+    """keycode2-sparq is selectable: its channel choice + fused select run in the interpreter
+    (the fused-path timing calls its own kernels), select what the generic path selects, and
+    are charged the int8 mean and the chosen channels' box and codes of every page (R = D = 16
+    here) plus one width-sum row, with the 32-byte sectors reported beside it."""
+    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(tmp_path),
+                           "--contexts", "512", "--batches", "1", "--no-graph",
+                           "--algorithms", "keycode2-sparq"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "sparse_decode.json") as f:
+        r = json.load(f)
+    assert r["complete"] is True
+    x, s = {x["algorithm"]: x for x in r["rows"]}["keycode2-sparq"], r["settings"]
+    n, hkv, d = x["pages_per_head"], s["num_kv_heads"], s["head_dim"]
+    ck = x["checks"]
+    assert ck["ok"] and ck["fused_set_mismatch_frac"] == 0.0
+    assert ck["select_set_mismatch_frac"] == 0.0
+    per_page = d + 4 + d * (2 * 4 + s["page_size"] // 4)  # fp32 box entries, 2-bit codes
+    assert x["select_bytes"] == hkv * (n * per_page + d * 4) + hkv * n * 4
+    assert x["select_sector_bytes"] >= x["select_bytes"] and _positive(x["fused_us"])
