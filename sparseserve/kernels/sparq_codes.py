@@ -16,14 +16,16 @@ Rows that share a page (a shared prefix) write the same sum there; a torn read (
 program writing it) sees some channels still -1: invalid, recomputed. Then R rounds of a
 block max (ties: the lower channel) over the D weights.
 
-Scores, grid (B, Hkv, cdiv(W, BLOCK_W)) / one tile of the fused select: ``q . mean`` is one
-``tl.dot`` of the [BLOCK_W, D] means against the group's [D, GP] queries; the R chosen
-channels' codes of BLOCK_W pages are loaded as [BLOCK_W, page_size / 16, R] words (each
-channel's words contiguous), unpacked by shifts to [BLOCK_W, PS, R] decoded deviations from the
-mean, and one dense ``tl.dot`` [BLOCK_W * PS, R] x [R, GP] against the queries at the chosen
-channels (the same R for every page of the row: no per-page query gather, unlike
-``channel_codes.chan_code_page_x``) gives every token's logit correction; then a per-page
-log2-sum-exp2. Needs R >= 16 and a power of two (the dot's K) and page_size a power of two
+Scores, grid (B, Hkv, cdiv(W, BLOCK_W)) / one tile of the fused select. On a chosen channel
+``k^ - mean = (lo + step / 2 - mean) + step * code`` with ``step = (hi - lo) / 4``: the first
+term is per page, so a page's part of every token's logit is one ``tl.dot`` of the
+[BLOCK_W, D] means against the group's [D, GP] queries plus one of the [BLOCK_W, R] offsets
+against the [R, GP] queries at the chosen channels. The R channels' codes of BLOCK_W pages are
+loaded as [BLOCK_W, page_size / 16, R] words (each channel's words contiguous), unpacked by
+shifts and scaled by their step to [BLOCK_W, PS, R] (two operations per code after the
+shifts), and one dense ``tl.dot`` [BLOCK_W * PS, R] x [R, GP] (the same R for every page of
+the row: no per-page query gather, unlike ``channel_codes.chan_code_page_x``) gives every
+token's part; then a per-page log2-sum-exp2. Needs R >= 16 and a power of two (the dot's K) and page_size a power of two
 >= 16; the dispatcher runs the reference otherwise. Fixed grids, no host synchronisation.
 
 Not measured on a GPU yet (written without one): BLOCK_W and warps are first guesses.
@@ -162,11 +164,18 @@ def sparq_page_x(mean_ptr, lo_ptr, hi_ptr, codes_ptr, kscale_ptr, ch_row, stride
         ks = tl.load(kscale_ptr + page, mask=ok, other=0.0)
         mean = mean * ks[:, None]
         mc = mc * ks[:, None]
-    base = tl.dot(mean.to(qt.dtype), qt, input_precision=DOT_PREC)         # [BLOCK_W, GP]
     lo = tl.load(lo_ptr + page[:, None] * stride_lo + ch[None, :], mask=r_ok, other=0.0)
     hi = tl.load(hi_ptr + page[:, None] * stride_hi + ch[None, :], mask=r_ok, other=0.0)
     lo = lo.to(tl.float32)
-    hi = hi.to(tl.float32)
+    step = (hi.to(tl.float32) - lo) * 0.25                                   # [BLOCK_W, R]
+    # k^ - mean = (lo + step / 2 - mean) + step * code on a chosen channel: the first term is
+    # per page, so it joins q . mean; per token only the code times its step is left
+    off = lo + 0.5 * step - mc
+    # the group's queries at the row's channels [R, GP] (zero past G)
+    qc = tl.load(q_row + offs_g[None, :] * stride_qh + ch[:, None],
+                 mask=(offs_g < G)[None, :], other=0.0).to(qt.dtype)
+    base = tl.dot(mean.to(qt.dtype), qt, input_precision=DOT_PREC)         # [BLOCK_W, GP]
+    base = tl.dot(off.to(qt.dtype), qc, acc=base, input_precision=DOT_PREC)
     # the chosen channels' codes, channel-major: NWC words per (page, channel), 16 codes each
     NWC: tl.constexpr = PS // 16
     cptr = codes_ptr + page[:, None] * stride_codes + ch[None, :] * NWC      # [BLOCK_W, R]
@@ -176,12 +185,10 @@ def sparq_page_x(mean_ptr, lo_ptr, hi_ptr, codes_ptr, kscale_ptr, ch_row, stride
         words = tl.load(cptr[:, None, :] + tl.arange(0, NWC)[None, :, None],
                         mask=r_ok[:, :, None], other=0)                      # [BLOCK_W, NWC, R]
     code = (words[:, :, None, :] >> (tl.arange(0, 16) * 2)[None, None, :, None]) & 3
-    lev = (tl.reshape(code, (BLOCK_W, PS, R)).to(tl.float32) + 0.5) * 0.25  # token t = 16 j + i
-    dev = lo[:, None, :] + (hi - lo)[:, None, :] * lev - mc[:, None, :]     # [BLOCK_W, PS, R]
-    # the group's queries at the row's channels [R, GP] (zero past G): one dense dot
-    qc = tl.load(q_row + offs_g[None, :] * stride_qh + ch[:, None],
-                 mask=(offs_g < G)[None, :], other=0.0).to(qt.dtype)
-    xt = tl.dot(tl.reshape(dev, (BLOCK_W * PS, R)).to(qt.dtype), qc, input_precision=DOT_PREC)
+    code = tl.reshape(code, (BLOCK_W, PS, R)).to(qt.dtype)                  # token t = 16 j + i
+    dev = code * step.to(qt.dtype)[:, None, :]                               # [BLOCK_W, PS, R]
+    # one dense dot for every token of the tile: the same R channels on every page
+    xt = tl.dot(tl.reshape(dev, (BLOCK_W * PS, R)), qc, input_precision=DOT_PREC)
     x3 = (tl.reshape(xt, (BLOCK_W, PS, GP)) + base[:, None, :]) * qk_scale
     mx = tl.max(x3, axis=1)
     return mx + tl.log2(tl.sum(tl.exp2(x3 - mx[:, None, :]), axis=1))
