@@ -69,7 +69,9 @@ def _round_to(x, KIND: tl.constexpr):
 
 # ---- residual add + RMSNorm ---------------------------------------------------------------
 
-@triton.jit
+# sizes that change from step to step are not specialised on (== 1, % 16): a new size
+# class would compile a variant mid-serving, which the start-up warm-up cannot foresee
+@triton.jit(do_not_specialize=["T"])
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, T, N, sx, sr, so, sres, eps,
                          HAS_RES: tl.constexpr, KIND: tl.constexpr, ROWS: tl.constexpr,
                          BLOCK: tl.constexpr):
@@ -125,7 +127,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 # ---- rotary embedding ---------------------------------------------------------------------
 
-@triton.jit
+# sizes that change from step to step are not specialised on (== 1, % 16): a new size
+# class would compile a variant mid-serving, which the start-up warm-up cannot foresee
+@triton.jit(do_not_specialize=["T"])
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, T, H, sxt, sxh, sct, sst, HALF,
                    KIND: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     # a tile of ROWS (token, head) pairs x BLOCK_D pairs of rotated channels
@@ -178,7 +182,9 @@ def rotary_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_he
 
 # ---- SiLU-gated activation ----------------------------------------------------------------
 
-@triton.jit
+# sizes that change from step to step are not specialised on (== 1, % 16): a new size
+# class would compile a variant mid-serving, which the start-up warm-up cannot foresee
+@triton.jit(do_not_specialize=["T"])
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, T, I, sg, su, so, KIND: tl.constexpr,
                      PRECISE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]

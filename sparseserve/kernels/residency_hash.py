@@ -136,7 +136,9 @@ def probe_slots(table_ptr, page_of_ptr, p, active, mask, BLOCK: tl.constexpr):
     return res
 
 
-@triton.jit
+# sizes that change from step to step are not specialised on (== 1, % 16): a new size
+# class would compile a variant mid-serving, which the start-up warm-up cannot foresee
+@triton.jit(do_not_specialize=["N"])
 def _lookup_kernel(table_ptr, page_of_ptr, pages_ptr, out_ptr, N, mask, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     p = tl.load(pages_ptr + i, mask=i < N, other=-1).to(tl.int64)

@@ -69,7 +69,9 @@ def _fresh_from(fresh_ptr, i, m, n, K, HK, FRESH: tl.constexpr):
     return f
 
 
-@triton.jit
+# sizes that change from step to step are not specialised on (== 1, % 16): a new size
+# class would compile a variant mid-serving, which the start-up warm-up cannot foresee
+@triton.jit(do_not_specialize=["N", "K", "HK"])
 def _probe_kernel(pages_ptr, nsel_ptr, fresh_ptr, table_ptr, page_of_ptr, last_ptr, step_ptr,
                   slots_ptr, miss_ptr, mcount_ptr, cnt_ptr, stamps_ptr, sstep_ptr, N, K, HK,
                   mask, scratch_page, scratch_slot, FRESH: tl.constexpr,
@@ -144,7 +146,9 @@ def _victim_key_kernel(last_ptr, owner_ptr, quota_ptr, resident_ptr, step_ptr, k
     tl.atomic_add(counts_ptr + k, h, mask=(k < 2 * NUM_BUCKETS + 2) & (h > 0))
 
 
-@triton.jit
+# sizes that change from step to step are not specialised on (== 1, % 16): a new size
+# class would compile a variant mid-serving, which the start-up warm-up cannot foresee
+@triton.jit(do_not_specialize=["NEED_N"])
 def _place_kernel(key_ptr, counts_ptr, hist_ptr, need_ptr, out_ptr, S, NEED_N,
                   NUM_KEYS: tl.constexpr, KEYS_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """out[first positions] = slots, highest key first, as far as the `need` (= the sum of
@@ -174,7 +178,9 @@ def _place_kernel(key_ptr, counts_ptr, hist_ptr, need_ptr, out_ptr, S, NEED_N,
         first = tl.sum(tl.where(kidx == kk, above, 0), axis=0)
 
 
-@triton.jit
+# sizes that change from step to step are not specialised on (== 1, % 16): a new size
+# class would compile a variant mid-serving, which the start-up warm-up cannot foresee
+@triton.jit(do_not_specialize=["N", "K", "HK", "NUM_ZERO"])
 def _assign_kernel(pages_ptr, nsel_ptr, miss_ptr, mcount_ptr, order_ptr, rows_ptr, fresh_ptr,
                    page_of_ptr, last_ptr, owner_ptr, step_ptr, slots_ptr, load_src_ptr,
                    load_dst_ptr, nloads_ptr, table_ptr, fill_ptr, zero_ptr, N, K, HK, S, mask,

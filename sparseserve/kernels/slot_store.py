@@ -21,7 +21,9 @@ patch_triton_interpreter()
 __all__ = ["store_decode_tokens", "torch_store_decode_tokens"]
 
 
-@triton.jit
+# sizes that change from step to step are not specialised on (== 1, % 16): a new size
+# class would compile a variant mid-serving, which the start-up warm-up cannot foresee
+@triton.jit(do_not_specialize=["K"])
 def _store_kernel(slots_ptr, nsel_ptr, offs_ptr, k_ptr, v_ptr, dk_ptr, dv_ptr, out_ptr,
                   hk_ptr, hv_ptr, hp_ptr, Hkv, K, S, P, stride_kb, stride_kh, stride_vb,
                   stride_vh, stride_ds, stride_dt, stride_hp, stride_ht, stride_pb, stride_ph,

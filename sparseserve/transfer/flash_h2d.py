@@ -48,7 +48,9 @@ def _copy_page(src, dst, live, PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr):
         tl.store(dst + o, x, mask=m)
 
 
-@triton.jit
+# sizes that change from step to step are not specialised on (== 1, % 16): a new size
+# class would compile a variant mid-serving, which the start-up warm-up cannot foresee
+@triton.jit(do_not_specialize=["N", "NUM_SRC", "NUM_DST"])
 def _flash_h2d_kernel(
     hk_ptr, hv_ptr, dk_ptr, dv_ptr, src_ptr, dst_ptr, cnt_ptr, live_ptr, N, NUM_SRC, NUM_DST,
     stride_hk, stride_hv, stride_dk, stride_dv,

@@ -37,7 +37,9 @@ __all__ = ["gpu_direct_save", "GpuDirectSaver"]
 SIDE_STREAM_MAX_PROGRAMS: int | None = 64
 
 
-@triton.jit
+# sizes that change from step to step are not specialised on (== 1, % 16): a new size
+# class would compile a variant mid-serving, which the start-up warm-up cannot foresee
+@triton.jit(do_not_specialize=["T"])
 def _gpu_direct_kernel(
     k_ptr, v_ptr, hk_ptr, hv_ptr, pages_ptr, offs_ptr, T, P,
     s_kt, s_kh, s_vt, s_vh, s_hkp, s_hkt, s_hvp, s_hvt, s_pt, s_ph, s_ot, s_oh,
