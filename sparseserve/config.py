@@ -121,7 +121,7 @@ class CacheConfig:
     kv_offload: bool = False
     num_host_pages: int = 0
     h2d_method: str = "flash"  # "flash" (FlashH2D) | "memcpy" (one copy per page)
-    d2h_method: str = "flash"  # "flash" (FlashD2H) | "memcpy" | "gpu-direct"
+    d2h_method: str = "flash"  # "flash" (FlashD2H) | "memcpy" | "gpu-direct" | "copy-engine"
     eviction: str = "category-lru"  # | "lru"
 
     @property

@@ -111,7 +111,7 @@ class EngineArgs:
         parser.add_argument("--h2d-method", default=None, choices=["flash", "memcpy"],
                             help="page loads (two-tier cache; default flash)")
         parser.add_argument("--d2h-method", default=None,
-                            choices=["flash", "memcpy", "gpu-direct"],
+                            choices=["flash", "memcpy", "gpu-direct", "copy-engine"],
                             help="page saves (two-tier cache; default flash)")
         parser.add_argument("--eviction", default=None, choices=["category-lru", "lru"],
                             help="device cache eviction (two-tier cache; default category-lru)")

@@ -19,7 +19,11 @@ Saving (D2H), ``make_saver(method, host_k_layers, host_v_layers)`` -> saver with
 * ``"flash"`` (FlashD2H): one D2H copy into a pinned staging ring on a side stream, CPU threads
   scatter into pages, overlapped with compute.
 * ``"memcpy"``: one copy call per page region (baseline).
-* ``"gpu-direct"``: a Triton kernel writes rows straight into pinned host pages (baseline).
+* ``"gpu-direct"``: a Triton kernel writes rows straight into pinned host pages.
+* ``"copy-engine"``: a gather into host-address order, then one DMA copy per run of
+  consecutive host rows on a side stream: no SMs held while PCIe drains (copy_engine.py).
+A step's ids can be given once as a ``SavePlan`` (``make_save_plan``; save_plan.py) and passed
+to every layer's ``save(layer, k, v, plan)``.
 
 Counters: ``TransferStats`` (calls, pages, rows, bytes, busy_s) from ``PageLoader.stats()`` and
 ``saver.stats()``.
@@ -29,15 +33,16 @@ from __future__ import annotations
 import torch
 
 from .common import TransferStats, bits_view
+from .save_plan import SavePlan, make_save_plan
 from .flash_d2h import FlashD2HSaver
 from .per_page_copy import PerPageCopySaver, memcpy_load_pages
 
 __all__ = ["H2D_METHODS", "D2H_METHODS", "TransferStats", "load_pages", "PageLoader",
            "make_saver", "FlashD2HSaver", "PerPageCopySaver", "GpuDirectSaver",
-           "alloc_host_pages", "bits_view"]
+           "alloc_host_pages", "bits_view", "SavePlan", "make_save_plan"]
 
 H2D_METHODS = ("flash", "memcpy")
-D2H_METHODS = ("flash", "memcpy", "gpu-direct")
+D2H_METHODS = ("flash", "memcpy", "gpu-direct", "copy-engine")
 _BACKENDS = (None, "auto", "triton", "torch")
 
 
@@ -120,7 +125,8 @@ class PageLoader:
 
 def make_saver(method: str, host_k_layers, host_v_layers, **kwargs):
     """A saver for ``method`` in D2H_METHODS ("flash": FlashD2HSaver(num_threads=4,
-    staging_bytes=256 MiB, ...); "memcpy": PerPageCopySaver; "gpu-direct": GpuDirectSaver)."""
+    staging_bytes=256 MiB, ...); "memcpy": PerPageCopySaver; "gpu-direct": GpuDirectSaver;
+    "copy-engine": CopyEngineSaver)."""
     if method == "flash":
         return FlashD2HSaver(host_k_layers, host_v_layers, **kwargs)
     if method == "memcpy":
@@ -128,6 +134,9 @@ def make_saver(method: str, host_k_layers, host_v_layers, **kwargs):
     if method == "gpu-direct":
         from .gpu_direct import GpuDirectSaver
         return GpuDirectSaver(host_k_layers, host_v_layers, **kwargs)
+    if method == "copy-engine":
+        from .copy_engine import CopyEngineSaver
+        return CopyEngineSaver(host_k_layers, host_v_layers, **kwargs)
     raise ValueError(f"unknown d2h method {method!r}; expected one of {D2H_METHODS}")
 
 

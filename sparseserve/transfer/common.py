@@ -217,8 +217,11 @@ class SaveArgs:
 
 
 def check_save_args(host_k_layers, layer, k_new, v_new, host_pages, offsets,
-                    validate: bool = True) -> SaveArgs:
-    """Shared argument handling of every saver's ``save``."""
+                    validate: bool = True, contiguous: bool = True) -> SaveArgs:
+    """Shared argument handling of every saver's ``save``. ``host_pages`` may be a
+    ``SavePlan`` (offsets then None): its ids were validated once for the step.
+    ``contiguous``: copy k/v to dense tensors (else only their last dim must be dense)."""
+    from .save_plan import SavePlan, make_save_plan
     if not 0 <= layer < len(host_k_layers):
         raise IndexError(f"layer {layer} out of range (0..{len(host_k_layers) - 1})")
     hk = host_k_layers[layer]
@@ -230,13 +233,14 @@ def check_save_args(host_k_layers, layer, k_new, v_new, host_pages, offsets,
     if Dn != D or k_new.dtype != hk.dtype or v_new.dtype != hk.dtype:
         raise ValueError(f"k_new {tuple(k_new.shape)} {k_new.dtype} does not match host pages "
                          f"{tuple(hk.shape)} {hk.dtype}")
-    pages = as_index_array(host_pages, "host_pages", (T, H))
-    offs = as_index_array(offsets, "offsets", (T, H), allow_column=True)
-    if validate and T and H:
-        live = pages >= 0
-        if pages.max() >= P:
-            raise IndexError(f"host page id {int(pages.max())} out of range (< {P})")
-        o = offs[live.any(axis=1), 0] if offs.shape[1] == 1 else offs[live]
-        if o.size and (o.min() < 0 or o.max() >= ps):
-            raise IndexError(f"token offset out of range [0, {ps})")
-    return SaveArgs(layer, k_new.contiguous(), v_new.contiguous(), pages, offs)
+    if isinstance(host_pages, SavePlan):
+        plan = host_pages
+        if plan.shape != (T, H):
+            raise ValueError(f"the save plan is for {plan.shape} rows, k_new has {(T, H)}")
+    else:
+        plan = make_save_plan(host_pages, offsets, P, ps, validate, shape=(T, H))
+    if contiguous:
+        k_new, v_new = k_new.contiguous(), v_new.contiguous()
+    elif k_new.stride(2) != 1 or v_new.stride(2) != 1:
+        k_new, v_new = k_new.contiguous(), v_new.contiguous()
+    return SaveArgs(layer, k_new, v_new, plan.pages, plan.offsets, {"plan": plan})

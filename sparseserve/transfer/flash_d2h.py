@@ -113,7 +113,7 @@ class FlashD2HSaver:
         self._finalizer = weakref.finalize(self, _shutdown, self._queue, self._threads)
 
     # ---- public API --------------------------------------------------------------------------
-    def save(self, layer: int, k_new, v_new, host_pages, offsets) -> int:
+    def save(self, layer: int, k_new, v_new, host_pages, offsets=None) -> int:
         """Queue the save of ``k_new``/``v_new`` [T, Hkv, D] (rows (t, h) go to host page
         ``host_pages[t, h]`` (< 0: not saved) at token offset ``offsets[t]``; offsets may also
         be [T, Hkv]). Returns a ticket at once unless the staging ring is full."""

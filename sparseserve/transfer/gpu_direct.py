@@ -23,8 +23,7 @@ import triton
 import triton.language as tl
 
 from ..kernels import patch_triton_interpreter
-from .common import (EventTicketSaver, TransferStats, bits_view, check_save_args,
-                     count_page_runs)
+from .common import EventTicketSaver, TransferStats, bits_view, check_save_args
 
 patch_triton_interpreter()
 
@@ -129,11 +128,14 @@ class GpuDirectSaver(EventTicketSaver):
         self.backend = backend
         self.validate = validate
 
-    def save(self, layer: int, k_new, v_new, host_pages, offsets) -> int:
-        """k_new/v_new [T, Hkv, D]; host_pages [T, Hkv] (< 0: not saved); offsets [T] or
-        [T, Hkv]. -> ticket."""
+    def save(self, layer: int, k_new, v_new, host_pages, offsets=None) -> int:
+        """k_new/v_new [T, Hkv, D] (last dim dense; any other strides); host_pages [T, Hkv]
+        (< 0: not saved) and offsets [T] or [T, Hkv], or a SavePlan (save_plan.py) and no
+        offsets. -> ticket."""
         self._check_open()
-        a = check_save_args(self.host_k, layer, k_new, v_new, host_pages, offsets, self.validate)
+        a = check_save_args(self.host_k, layer, k_new, v_new, host_pages, offsets,
+                            self.validate, contiguous=False)
+        plan = a.extra["plan"]
         hk, hv = self.host_k[layer], self.host_v[layer]
         dev = a.k.device
         side = None
@@ -143,12 +145,7 @@ class GpuDirectSaver(EventTicketSaver):
                 side = self._side[dev] = torch.cuda.Stream(device=dev)
             side.wait_stream(torch.cuda.current_stream(dev))  # k_new/v_new are written
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            pages = torch.from_numpy(a.pages)
-            offs = torch.from_numpy(a.offsets)
-            if dev.type == "cuda":
-                pages = pages.pin_memory().to(dev, non_blocking=True)
-                offs = offs.pin_memory().to(dev, non_blocking=True)
-            offs = offs.expand(pages.shape)                 # [T, 1] -> [T, H] (stride 0)
+            pages, offs = plan.device_ids(dev)  # copied once per step, on the first layer
             backend = self.backend or "auto"
             if backend == "auto":
                 backend = "triton" if dev.type == "cuda" else "torch"
@@ -165,8 +162,7 @@ class GpuDirectSaver(EventTicketSaver):
             # made on the compute stream, read on the side one: not reused before it is done
             a.k.record_stream(side)
             a.v.record_stream(side)
-        rows = int((a.pages >= 0).sum())
-        stats = TransferStats(1, count_page_runs(a.pages, a.offsets), rows,
-                              2 * rows * hk.shape[2] * hk.element_size())
+        stats = TransferStats(1, plan.regions, plan.rows,
+                              2 * plan.rows * hk.shape[2] * hk.element_size())
         return self._issue(event, (a.k, a.v, pages, offs) if event is not None else None, stats)
 

@@ -57,7 +57,7 @@ class PerPageCopySaver(EventTicketSaver):
         self.host_v = list(host_v_layers)
         self.validate = validate
 
-    def save(self, layer: int, k_new, v_new, host_pages, offsets) -> int:
+    def save(self, layer: int, k_new, v_new, host_pages, offsets=None) -> int:
         """k_new/v_new [T, Hkv, D]; host_pages [T, Hkv] host page ids (< 0: not saved);
         offsets [T] (or [T, Hkv]) token offsets within the page. -> ticket."""
         self._check_open()

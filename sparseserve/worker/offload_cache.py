@@ -32,7 +32,7 @@ from sparseserve.config import CacheConfig
 from sparseserve.kernels import residency_hash
 from sparseserve.kernels.retrieve import lru_scratch_size
 from sparseserve.kvcache.eviction import NUM_BUCKETS, victim_order
-from sparseserve.transfer import PageLoader, make_saver
+from sparseserve.transfer import PageLoader, SavePlan, make_save_plan, make_saver
 from sparseserve.worker.host_copy import to_device
 from sparseserve.worker.selection_stamps import SelectionStamps
 
@@ -242,10 +242,15 @@ class TwoTierCache:
         last.index_fill_(0, slots.reshape(-1), PENDING_SAVE + self._host_step % 2)
         last[self.scratch_slot].fill_(-1)
 
-    def save(self, layer: int, k: torch.Tensor, v: torch.Tensor, host_pages: np.ndarray,
-             offsets: np.ndarray) -> None:
+    def save_plan(self, host_pages: np.ndarray, offsets: np.ndarray) -> SavePlan:
+        """The step's save destinations, validated once: host_pages [T, Hkv], offsets [T] or
+        [T, Hkv]; pass the plan to every layer's `save`."""
+        return make_save_plan(host_pages, offsets, self.num_host_pages + 1, self.page_size,
+                              shape=np.shape(host_pages))
+
+    def save(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: SavePlan) -> None:
         """Write new K/V [T, Hkv, D] through to DRAM with the configured saver (async)."""
-        self._step_tickets[self._host_step] = self.saver.save(layer, k, v, host_pages, offsets)
+        self._step_tickets[self._host_step] = self.saver.save(layer, k, v, plan)
 
     @property
     def direct_decode_saves(self) -> bool:

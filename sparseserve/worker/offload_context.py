@@ -33,6 +33,7 @@ class OffloadForwardContext(ForwardContext):
         # side); None in a captured decode step, whose saves are all direct
         self.save_pages = save_pages
         self.save_offsets = save_offsets
+        self._save_plan = None  # made at the first layer that saves, reused by the others
 
     def _plan_index(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
         pass  # pages are indexed through the two tiers (see _index_via_scratch)
@@ -45,8 +46,10 @@ class OffloadForwardContext(ForwardContext):
             cache.count_direct_saves(layer, k[:nd])
         first = nd if cache.direct_decode_saves else 0
         if k.shape[0] > first:  # prefill rows (and decode rows for the per-page baseline)
-            cache.save(layer, k[first:], v[first:], self.save_pages[first:],
-                       self.save_offsets[first:])
+            if self._save_plan is None:  # the step's destinations: the same at every layer
+                self._save_plan = cache.save_plan(self.save_pages[first:],
+                                                  self.save_offsets[first:])
+            cache.save(layer, k[first:], v[first:], self._save_plan)
         summaries = self.sparse.summaries[layer]
         if nd and not self.prefills and nd == q.shape[0]:  # decode only: no copy into `out`
             return self._decode(layer, q, k, v, summaries)

@@ -44,7 +44,9 @@ def test_dummy_llama3_shape_runs(tmp_path):
 
 @pytest.mark.parametrize("h2d, d2h, inject", [("flash", "flash", None), ("memcpy", "memcpy", None),
                                               ("flash", "gpu-direct", None),
-                                              ("flash", "gpu-direct", 300)])
+                                              ("flash", "gpu-direct", 300),
+                                              ("flash", "copy-engine", None),
+                                              ("flash", "copy-engine", 300)])
 def test_gpu_forced_offload_equals_resident(tiny_model_dirs, h2d, d2h, inject):
     """Pinned host tier + HBM slots with FlashH2D / FlashD2H (and the baselines) on the GPU;
     inject: layer-segmented prefill, whose whole prompts with GPU-direct saves take no slot

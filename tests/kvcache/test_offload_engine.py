@@ -64,6 +64,17 @@ def test_forced_offload_equals_resident(model_dir, algo, eviction):
     assert int((runner.offload.page_of[:, :-1] >= 0).sum()) == 0, "slots still mapped"
 
 
+@pytest.mark.parametrize("d2h", ["gpu-direct", "copy-engine"])
+@pytest.mark.parametrize("inject", [None, 300])
+def test_forced_offload_equals_resident_per_saver(model_dir, d2h, inject):
+    """The savers whose saves complete in stream order, with chunked and layer-segmented
+    (slot-free whole prompts: decode loads what the saver wrote) prefill."""
+    llm = check_forced_offload_equals_resident(model_dir, "arkvale", d2h_method=d2h,
+                                               max_inject_tokens=inject)
+    assert llm.engine.scheduler.slot_free_prefill is (inject is not None)
+    assert llm.engine.get_stats()["bytes_saved_total"] > 0
+
+
 def test_offload_many_requests_no_leaks_and_roomy_cache_hits(model_dir):
     llm = offload_llm(model_dir, 256, max_num_batched_tokens=64)
     rng = random.Random(2)

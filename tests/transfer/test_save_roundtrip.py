@@ -1,5 +1,5 @@
 """Save -> load round trips, bit-exact, for every saver (FlashD2H, per-page copy, GPU-direct via
-Triton and via torch) and every loader (FlashH2D via Triton and torch, memcpy): a hybrid batch
+Triton and via torch, copy engine with and without its GPU-direct fallback) and every loader (FlashH2D via Triton and torch, memcpy): a hybrid batch
 (prefill chunks, decode tokens, padding rows) is saved over two steps, then every page a request
 owns is loaded back into device slots and compared token by token; rows never saved keep their
 sentinel."""
@@ -15,7 +15,8 @@ from . import DEV, PIN, batch_layout, filled, random_bits, same_bits, sync
 SAVERS = [("flash", dict(num_threads=3, staging_bytes=1 << 16, min_rows_per_part=16)),
           ("memcpy", {}), ("gpu-direct", dict(backend="triton")),
           ("gpu-direct", dict(backend="triton", side_stream=False)),
-          ("gpu-direct", dict(backend="torch"))]
+          ("gpu-direct", dict(backend="torch")), ("copy-engine", {}),
+          ("copy-engine", dict(max_runs=0))]   # every layer over the GPU-direct fallback
 LOADERS = [("flash", "triton"), ("flash", "torch"), ("memcpy", None)]
 SENTINEL = 0x3C3C
 H, D, L = 2, 32, 2
@@ -67,7 +68,7 @@ def _save_steps(saver, hk_layers, T, ps, dtype, seed):
     return tickets, ref, tables
 
 
-@pytest.mark.parametrize("saver_name,kw", SAVERS, ids=[s[0] + "-" + str(s[1].get("backend", ""))
+@pytest.mark.parametrize("saver_name,kw", SAVERS, ids=[s[0] + "-" + str(s[1].get("backend", s[1].get("max_runs", "")))
                                                           for s in SAVERS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ps", [16, 32])

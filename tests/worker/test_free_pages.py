@@ -13,7 +13,7 @@ L, D, PS, SLOTS, HOST, ROWS = 2, 4, 2, 6, 63, 2
 
 
 @pytest.mark.parametrize("d2h,host_waits", [("gpu-direct", False), ("memcpy", False),
-                                            ("flash", True)])
+                                            ("flash", True), ("copy-engine", False)])
 def test_free_pages_waits_on_the_host_only_for_host_completed_saves(d2h, host_waits):
     cfg = CacheConfig(page_size=PS, num_pages=SLOTS, kv_offload=True, num_host_pages=HOST,
                       d2h_method=d2h)

@@ -1,0 +1,132 @@
+"""Copy-engine saving: the step's new K/V rows go to DRAM by DMA, not by SMs.
+
+GPU-direct saves (gpu_direct.py) are a kernel whose programs hold SMs while their writes
+drain over PCIe: beside a GEMM they took as long as the two back to back (benchmarks/
+save_overlap.py, H200: 10.1 ms GEMM + 10.5 ms save -> 20.5 ms together), and in a 2048-token
+LWM-7B prefill step they were 20 of its 75 ms of kernel time (docs/results/serving.md,
+fourteenth session). The copy engines move bytes without SMs, so here a layer's save is
+
+1. one gather per K and V on a side stream (ordered after the compute stream's work so far)
+   into a staging buffer laid out in host-address order (`save_plan.dest_runs`; ~20 us for
+   a 32 MB layer at HBM speed), then
+2. one ``cudaMemcpyAsync`` device-to-host per run of consecutive host rows. Host pages are
+   handed out in chunks of consecutive ids per (request, KV head) and a request's heads take
+   adjacent chunks, so a prefill chunk's layer is typically a few runs of megabytes.
+
+A step whose rows scatter into more than ``max_runs`` runs (a fragmented host pool) is saved
+GPU-direct instead: that many small copies would cost more host time than they save.
+On CPU tensors the same code runs synchronously (tests). Same interface and tickets as the
+other savers.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .common import EventTicketSaver, TransferStats, check_save_args
+from .save_plan import dest_runs
+
+__all__ = ["CopyEngineSaver"]
+
+# runs one layer's save may take as copies (K and V each); more go GPU-direct. A copy call
+# costs ~5 us of host time; 64 of them per K and V is ~0.6 ms per layer, about what the
+# gather-free GPU-direct launch saves in kernel time on a 2048-token MHA layer.
+MAX_RUNS = 64
+
+
+class CopyEngineSaver(EventTicketSaver):
+    """Saves through the copy engine (see module doc). ``side_stream``: on CUDA, gather and
+    copy on a side stream ordered after the compute stream (the default)."""
+
+    def __init__(self, host_k_layers, host_v_layers, validate: bool = True,
+                 side_stream: bool = True, max_runs: int = MAX_RUNS) -> None:
+        super().__init__()
+        if len(host_k_layers) != len(host_v_layers):
+            raise ValueError("host_k_layers and host_v_layers differ in length")
+        self.host_k = list(host_k_layers)
+        self.host_v = list(host_v_layers)
+        self.validate = validate
+        self.side_stream = side_stream
+        self.max_runs = max_runs
+        self._side: dict = {}
+        self.fallback_saves = 0  # layers saved GPU-direct because their runs were too many
+
+    def save(self, layer: int, k_new, v_new, host_pages, offsets=None) -> int:
+        """k_new/v_new [T, Hkv, D] (last dim dense); host_pages [T, Hkv] (< 0: not saved) and
+        offsets [T] or [T, Hkv], or a SavePlan and no offsets. -> ticket."""
+        self._check_open()
+        a = check_save_args(self.host_k, layer, k_new, v_new, host_pages, offsets,
+                            self.validate, contiguous=False)
+        plan = a.extra["plan"]
+        hk, hv = self.host_k[layer], self.host_v[layer]
+        ps = hk.shape[1]
+        t_rows, h_rows, runs = dest_runs(plan, ps)
+        # runs address host rows as page * page_size + offset: a dense layer's rows only
+        direct = len(runs) > self.max_runs or not (_rows_dense(hk) and _rows_dense(hv))
+        self.fallback_saves += int(direct)
+        dev = a.k.device
+        side = None
+        if dev.type == "cuda" and self.side_stream:
+            side = self._side.get(dev)
+            if side is None:
+                side = self._side[dev] = torch.cuda.Stream(device=dev)
+            side.wait_stream(torch.cuda.current_stream(dev))  # k_new/v_new are written
+        staged = []
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if direct:
+                _save_direct(hk, hv, a.k, a.v, plan, dev, capped=side is not None)
+            else:
+                _save_copies(hk, hv, a.k, a.v, *_rows_on(plan, dev, t_rows, h_rows), runs,
+                             staged)
+            event = None
+            if dev.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+        if side is not None:
+            for t in (a.k, a.v):  # made on the compute stream, read on the side one
+                t.record_stream(side)
+        stats = TransferStats(1, plan.regions, plan.rows,
+                              2 * plan.rows * hk.shape[2] * hk.element_size())
+        return self._issue(event, tuple(staged) if event is not None else None, stats)
+
+
+def _save_copies(hk, hv, k, v, t_idx, h_idx, runs, staged: list) -> None:
+    """Gather each of k/v [T, Hkv, D] into host-address order (staging [rows, D], kept alive
+    in `staged` until the ticket completes), one copy per run of consecutive host rows."""
+    for new, host in ((k, hk), (v, hv)):
+        rows = host.view(-1, host.shape[2])      # [pages * page_size, D]: one row per token
+        stage = new[t_idx, h_idx]
+        staged.append(stage)
+        for dst, src, n in runs.tolist():
+            rows[dst:dst + n].copy_(stage[src:src + n], non_blocking=True)
+
+
+def _rows_dense(host: torch.Tensor) -> bool:
+    """host [P, page_size, D]: pages back to back, so a token's row is page * page_size +
+    offset of a [P * page_size, D] view."""
+    return host.stride(2) == 1 and host.stride(1) == host.shape[2] and \
+        host.stride(0) == host.shape[1] * host.shape[2]
+
+
+def _save_direct(hk, hv, k, v, plan, device, capped: bool) -> None:
+    """A fragmented layer GPU-direct (a Triton kernel by UVA; torch indexing on CPU)."""
+    from .gpu_direct import SIDE_STREAM_MAX_PROGRAMS, _torch_save, gpu_direct_save
+    pages, offs = plan.device_ids(device)
+    if device.type == "cuda":
+        gpu_direct_save(hk, hv, k, v, pages, offs,
+                        max_programs=SIDE_STREAM_MAX_PROGRAMS if capped else None)
+    else:
+        _torch_save(hk, hv, k, v, pages, offs)
+
+
+def _rows_on(plan, device, t_rows, h_rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """The staging order's row indices on `device`, copied once per plan."""
+    key = ("rows", str(device))
+    hit = plan.cache.get(key)
+    if hit is None:
+        pin = device.type == "cuda"
+        hit = plan.cache[key] = tuple(
+            (torch.from_numpy(x).pin_memory().to(device, non_blocking=True) if pin
+             else torch.from_numpy(x)) for x in (t_rows, h_rows))
+    return hit

@@ -1,0 +1,132 @@
+"""The copy-engine saver's run list and step plans: `dest_runs` against a brute-force mapping,
+one plan reused by every layer of a step == per-layer arguments, k/v given as strided views of
+a fused qkv buffer, and the run count of a prefill chunk in chunk-allocated host pages."""
+import numpy as np
+import pytest
+import torch
+
+from sparseserve.transfer import make_save_plan, make_saver
+from sparseserve.transfer.save_plan import dest_runs
+
+from . import DEV, PIN, filled, random_bits, same_bits
+
+SENTINEL = 0x3C3C
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_dest_runs_brute_force(seed):
+    """Staging row i is new[t[i], h[i]] and lands at host row runs' dst + (i - src): every
+    live (t, h) exactly once, at page * ps + offset, runs maximal and in address order."""
+    rng = np.random.default_rng(seed)
+    T, H, ps, P = int(rng.integers(1, 60)), int(rng.integers(1, 4)), int(rng.choice([4, 16])), 60
+    # distinct destinations, some dead rows: a random injective map of (t, h) to host rows,
+    # or (odd seeds) each head's tokens back to back after the previous head's (long runs)
+    if seed % 2:
+        rows = (np.arange(T * H).reshape(H, T).T + int(rng.integers(0, ps))) % (P * ps)
+    else:
+        rows = rng.permutation(P * ps)[:T * H].reshape(T, H)
+    pages, offs = rows // ps, rows % ps
+    pages[rng.random((T, H)) < 0.2] = -1
+    plan = make_save_plan(pages, offs, P, ps)
+    t, h, runs = dest_runs(plan, ps)
+    dst_of = np.full(len(t), -1)
+    for dst, src, n in runs:
+        assert n > 0
+        dst_of[src:src + n] = np.arange(dst, dst + n)
+    assert (dst_of >= 0).all()
+    want = {(a, b): pages[a, b] * ps + offs[a, b] for a in range(T) for b in range(H)
+            if pages[a, b] >= 0}
+    got = {(int(a), int(b)): int(d) for a, b, d in zip(t, h, dst_of)}
+    assert got == want
+    assert (np.diff(dst_of) > 0).all()                                # address order
+    ends = runs[:, 0] + runs[:, 2]
+    assert (runs[1:, 0] != ends[:-1]).all()                           # maximal runs
+
+
+def test_prefill_chunk_runs_in_chunk_allocated_pages():
+    """Chunk-allocated pages (C consecutive ids per head; a request's heads take adjacent
+    chunks, one row of heads per allocation): a 2048-token chunk of 8 heads is one run per
+    row of heads when other requests' rows sit between them, one run when nothing does.
+    Starting mid-page (5 tokens in), the first and last rows of heads hold partial pages:
+    one run per head there (8 + 3 + 8; 7 + 1 + 7 when the rows are adjacent)."""
+    T, H, ps, C = 2048, 8, 32, 16
+    for start in (0, 5):
+        blk = (start + np.arange(T)) // ps
+        for bases, want in (([3, 0, 7, 5, 9], 19 if start else 4),
+                            ([0, 1, 2, 3, 4], 15 if start else 1)):
+            base = np.asarray(bases)[blk // C]                # the row of heads' allocation
+            pages = (base[:, None] * H + np.arange(H)[None, :]) * C + (blk % C)[:, None]
+            plan = make_save_plan(pages, (start + np.arange(T)) % ps, int(pages.max()) + 1, ps)
+            assert len(dest_runs(plan, ps)[2]) == want, (start, bases)
+            assert plan.rows == T * H
+
+
+@pytest.mark.parametrize("T", [1, 17, 97])
+def test_one_plan_for_every_layer_and_strided_views(T):
+    """A step's plan passed to each layer's save writes what per-layer arrays write, from
+    k/v that are column slices of one qkv buffer (not contiguous)."""
+    H, D, ps, P, L = 2, 32, 16, 24, 3
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(T)
+    rows = np.arange(T * H).reshape(H, T).T + 3      # each head's tokens back to back: few runs
+    pages, offs = rows // ps, rows % ps
+    pages[0, -1] = -1
+    out = {}
+    for mode in ("plan", "arrays"):
+        hk = [filled((P, ps, D), dtype, SENTINEL, pin=PIN) for _ in range(L)]
+        hv = [filled((P, ps, D), dtype, SENTINEL, pin=PIN) for _ in range(L)]
+        gen.manual_seed(T)
+        with make_saver("copy-engine", hk, hv) as saver:
+            plan = make_save_plan(pages, offs, P, ps)
+            for layer in range(L):
+                qkv = random_bits((T, 3 * H, D), dtype, gen, DEV)
+                k, v = qkv[:, H:2 * H], qkv[:, 2 * H:]
+                assert T == 1 or not k.is_contiguous()
+                if mode == "plan":
+                    saver.save(layer, k, v, plan)
+                else:
+                    saver.save(layer, k, v, pages, offs)
+                for a in range(T):
+                    for b in range(H):
+                        if pages[a, b] >= 0:
+                            out.setdefault((mode, layer), []).append(
+                                (int(pages[a, b]), int(offs[a, b]), k[a, b].cpu(),
+                                 v[a, b].cpu()))
+            saver.wait_all()
+            assert saver.stats().calls == L and saver.fallback_saves == 0
+        for layer in range(L):
+            for p, o, kr, vr in out[(mode, layer)]:
+                assert same_bits(hk[layer][p, o], kr) and same_bits(hv[layer][p, o], vr)
+    assert all(len(out[("plan", i)]) == len(out[("arrays", i)]) == 2 * T - 1 for i in range(L))
+
+
+def test_plan_shape_must_match():
+    H, D, ps, P = 2, 16, 8, 6
+    hk = [torch.zeros(P, ps, D, pin_memory=PIN)]
+    with make_saver("copy-engine", hk, [torch.zeros_like(hk[0])]) as saver:
+        plan = make_save_plan(np.zeros((3, H), np.int64), np.arange(3), P, ps)
+        k = torch.zeros(2, H, D, device=DEV)
+        with pytest.raises(ValueError, match="save plan"):
+            saver.save(0, k, k, plan)
+
+
+def test_fragmented_step_falls_back_to_gpu_direct():
+    """More runs than max_runs: the layer is written GPU-direct, the same bytes land."""
+    H, D, ps, P, T = 2, 16, 8, 40, 30
+    dtype = torch.float32
+    rng = np.random.default_rng(3)
+    rows = rng.permutation(P * ps)[:T * H].reshape(T, H)
+    pages, offs = rows // ps, rows % ps
+    gen = torch.Generator().manual_seed(0)
+    k = random_bits((T, H, D), dtype, gen, DEV)
+    v = random_bits((T, H, D), dtype, gen, DEV)
+    hk = [filled((P, ps, D), dtype, SENTINEL, pin=PIN)]
+    hv = [filled((P, ps, D), dtype, SENTINEL, pin=PIN)]
+    with make_saver("copy-engine", hk, hv, max_runs=4) as saver:
+        saver.wait(saver.save(0, k, v, pages, offs))
+        assert saver.fallback_saves == 1
+    kc, vc = k.cpu(), v.cpu()
+    for a in range(T):
+        for b in range(H):
+            assert same_bits(hk[0][pages[a, b], offs[a, b]], kc[a, b])
+            assert same_bits(hv[0][pages[a, b], offs[a, b]], vc[a, b])
