@@ -34,6 +34,7 @@ class OffloadForwardContext(ForwardContext):
         self.save_pages = save_pages
         self.save_offsets = save_offsets
         self._save_plan = None  # made at the first layer that saves, reused by the others
+        self._prefill_plans: dict[int, dict] = {}  # q_start -> _prefill_plan (same reuse)
 
     def _plan_index(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
         pass  # pages are indexed through the two tiers (see _index_via_scratch)
@@ -165,81 +166,107 @@ class OffloadForwardContext(ForwardContext):
         `resident_pages` pages per KV head (spare slots the scheduler gave it; often none):
         attention and the summaries read the projection's K/V, the saver writes it to DRAM
         (the cache fences the saves before the first decode step loads any of it)."""
-        ps = self.kv.page_size
-        total = p.start + (p.q_end - p.q_start)
-        nb = -(-total // ps)
-        pages = self.pages.row_range(p.row, 0, nb)  # [Hkv, nb] host pages
+        plan = self._prefill_plan(p)
         if p.slot_free:
-            first = nb - min(p.resident_pages, nb)
-            if first < nb:
-                self._map_and_store(layer, p, k, v, pages, first)
+            if plan["first"] < plan["nb"]:
+                self._map_and_store(layer, p, k, v, plan)
             ks = k[p.q_start:p.q_end].transpose(0, 1)  # [Hkv, n, D]
             vs = v[p.q_start:p.q_end].transpose(0, 1)
-            self._index_prefill(p, q, ks, vs, pages, summaries)
+            self._index_prefill(p, q, ks, vs, plan, summaries)
             return self._sdpa(q[p.q_start:p.q_end].transpose(0, 1), ks, vs, 0)
-        slots = self._map_and_store(layer, p, k, v, pages, 0)
+        slots = self._map_and_store(layer, p, k, v, plan)
         if p.start:
-            hkv = pages.shape[0]
+            ps, nb, total = self.kv.page_size, plan["nb"], plan["total"]
+            hkv = slots.shape[0]
             dev_k, dev_v = self.cache.dev_k[layer], self.cache.dev_v[layer]
             ks = dev_k[slots].reshape(hkv, nb * ps, -1)[:, :total]
             vs = dev_v[slots].reshape(hkv, nb * ps, -1)[:, :total]
         else:
             ks = k[p.q_start:p.q_end].transpose(0, 1)  # [Hkv, n, D]
             vs = v[p.q_start:p.q_end].transpose(0, 1)
-        self._index_prefill(p, q, ks, vs, pages, summaries)
+        self._index_prefill(p, q, ks, vs, plan, summaries)
         return self._sdpa(q[p.q_start:p.q_end].transpose(0, 1), ks, vs, p.start)
 
+    def _prefill_plan(self, p: PrefillSeq) -> dict:
+        """What a prefill chunk's mapping, store and indexing need that is the same at every
+        layer (its pages, the entries to map, each token's page entry and offset, the pages
+        it completes): made at the first layer, reused by the others (fewer launches and
+        less host time per layer).
+        pages [Hkv, nb] host pages; sel [1, Hkv, nb - first] the pages mapped (first: where
+        mapping starts); num / fresh_from [1, Hkv]; row [1]; tok_entry [T'] each stored
+        token's entry in sel, tok_off [T'] its offset in the page, rows the slice of the
+        chunk's rows stored; b0 / b1 the pages completed, host_ids [Hkv * (b1 - b0)],
+        read / ntok [Hkv * (b1 - b0)] int32, fill_pos [b1 - b0] the rows that complete them."""
+        plans = self._prefill_plans
+        plan = plans.get(p.q_start)
+        if plan is not None:
+            return plan
+        ps = self.kv.page_size
+        total = p.start + (p.q_end - p.q_start)
+        nb = -(-total // ps)
+        pages = self.pages.row_range(p.row, 0, nb)  # [Hkv, nb] host pages
+        hkv, dev = pages.shape[0], pages.device
+        first = nb - min(p.resident_pages, nb) if p.slot_free else 0
+        plan = plans[p.q_start] = {"nb": nb, "total": total, "first": first, "pages": pages}
+        if first < nb:
+            t0 = max(p.start, first * ps)  # the chunk's first token stored
+            pos = torch.arange(t0, total, device=dev)
+            plan.update(
+                sel=pages[:, first:].unsqueeze(0).contiguous(),
+                num=torch.full((1, hkv), nb - first, dtype=torch.int32, device=dev),
+                # entries from here are pages with no data yet (the chunk starts them)
+                fresh_from=torch.full((1, hkv), max(0, -(-p.start // ps) - first),
+                                      dtype=torch.int32, device=dev),
+                row=torch.full((1,), p.row, dtype=torch.long, device=dev),
+                tok_entry=torch.div(pos, ps, rounding_mode="floor") - first,
+                tok_off=pos % ps, rows=slice(p.q_start + t0 - p.start, p.q_end))
+        b0, b1 = p.start // ps, total // ps
+        plan.update(b0=b0, b1=b1)
+        if b1 > b0:
+            nf = b1 - b0
+            read = torch.arange(hkv * nf, device=dev, dtype=torch.int32)
+            plan.update(host_ids=pages[:, b0:b1].reshape(-1).long(), read=read,
+                        ntok=torch.full_like(read, ps),
+                        fill_pos=torch.arange(b0, b1, device=dev) * ps + ps - 1 - p.start)
+        return plan
+
     def _map_and_store(self, layer: int, p: PrefillSeq, k: torch.Tensor, v: torch.Tensor,
-                       pages: torch.Tensor, first: int) -> torch.Tensor:
+                       plan: dict) -> torch.Tensor:
         """Map the request's pages [first, nb) of every KV head to device slots (pages the
         chunk starts get a slot without a load; an earlier page evicted since is loaded back),
         store the chunk's K/V of those pages there and mark them pending their save.
-        pages [Hkv, nb] host pages; returns the slots [Hkv, nb - first] (int64)."""
+        Returns the slots [Hkv, nb - first] (int64)."""
         cache = self.cache
-        ps = self.kv.page_size
-        total = p.start + (p.q_end - p.q_start)
-        hkv, nb = pages.shape
-        dev = pages.device
-        num = torch.full((1, hkv), nb - first, dtype=torch.int32, device=dev)
-        # entries from here are pages with no data yet (the chunk starts them)
-        fresh_from = torch.full_like(num, max(0, -(-p.start // ps) - first))
-        row = torch.full((1,), p.row, dtype=torch.long, device=dev)
-        sel = pages[:, first:].unsqueeze(0).contiguous()  # [1, Hkv, nb - first]
-        slots = cache.retrieve(layer, sel, num, row, fresh_from=fresh_from,
-                               prefill=True)[0].long()  # [Hkv, nb - first]
+        slots = cache.retrieve(layer, plan["sel"], plan["num"], plan["row"],
+                               fresh_from=plan["fresh_from"], prefill=True)[0].long()
         cache.mark_saved(layer, slots)
-        t0 = max(p.start, first * ps)  # the chunk's first token stored here
-        pos = torch.arange(t0, total, device=dev)
-        tok_slots = slots[:, torch.div(pos, ps, rounding_mode="floor") - first]  # [Hkv, T]
-        rows = slice(p.q_start + t0 - p.start, p.q_end)
-        cache.dev_k[layer][tok_slots, (pos % ps)[None, :]] = k[rows].transpose(0, 1)
-        cache.dev_v[layer][tok_slots, (pos % ps)[None, :]] = v[rows].transpose(0, 1)
+        tok_slots = slots[:, plan["tok_entry"]]  # [Hkv, T']
+        rows = plan["rows"]
+        cache.dev_k[layer][tok_slots, plan["tok_off"][None, :]] = k[rows].transpose(0, 1)
+        cache.dev_v[layer][tok_slots, plan["tok_off"][None, :]] = v[rows].transpose(0, 1)
         return slots
 
     def _index_prefill(self, p: PrefillSeq, q: torch.Tensor, ks: torch.Tensor,
-                       vs: torch.Tensor, pages: torch.Tensor,
-                       summaries: LayerSummaries) -> None:
+                       vs: torch.Tensor, plan: dict, summaries: LayerSummaries) -> None:
         """Summaries of the pages this chunk completes, from the contiguous K (and V) of the
-        request up to the chunk's end: ks/vs [Hkv, total, D]; pages [Hkv, nb] host pages."""
+        request up to the chunk's end: ks/vs [Hkv, total, D]."""
         ps = self.kv.page_size
-        total = p.start + (p.q_end - p.q_start)
-        hkv = pages.shape[0]
-        dev = q.device
-        b0, b1 = p.start // ps, total // ps
-        if b1 > b0:  # pages completed by this chunk, summarised from the contiguous K
-            nf = b1 - b0
-            pages_k = ks[:, b0 * ps:b1 * ps].reshape(hkv * nf, ps, -1).contiguous()
-            pages_v = None
-            if self.sparse.algorithm.uses_values:
-                pages_v = vs[:, b0 * ps:b1 * ps].reshape(hkv * nf, ps, -1).contiguous()
-            host_ids = pages[:, b0:b1].reshape(-1)
-            fill_pos = torch.arange(b0, b1, device=dev) * ps + ps - 1 - p.start
-            qf = q[p.q_start:p.q_end][fill_pos].float()  # [nf, Hq, D]
+        b0, b1 = plan["b0"], plan["b1"]
+        if b1 <= b0:
+            return
+        hkv, nf = ks.shape[0], b1 - b0
+        algo = self.sparse.algorithm
+        pages_k = ks[:, b0 * ps:b1 * ps].reshape(hkv * nf, ps, -1).contiguous()
+        pages_v = None
+        if algo.uses_values:
+            pages_v = vs[:, b0 * ps:b1 * ps].reshape(hkv * nf, ps, -1).contiguous()
+        queries = None
+        if algo.uses_queries:  # the query of each completing row, per KV head's group
+            qf = q[p.q_start:p.q_end][plan["fill_pos"]].float()  # [nf, Hq, D]
             queries = qf.view(nf, hkv, -1, qf.shape[-1]).transpose(0, 1).reshape(
                 hkv * nf, -1, qf.shape[-1])
-            read = torch.arange(hkv * nf, device=dev, dtype=torch.int32)
-            self._index_via_scratch(pages_k, read, host_ids.long(), torch.full_like(read, ps),
-                                    summaries, queries, pages_v)
+        self._index_via_scratch(pages_k, plan["read"], plan["host_ids"], plan["ntok"],
+                                summaries, queries, pages_v)
 
 
 def _zeros_like_rows(tensors: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
