@@ -11,9 +11,9 @@ Traces (greedy, ignore_eos; every request arrives at t=0 unless --request-rate i
 Configurations: the presets (dense, sparse, sparse-offload, sparseserve) and ablations of the
 full system (sparseserve-chunked: no layer-segmented prefill; sparseserve-no-wc: no
 working-set control; sparseserve-flashd2h: prefill saves by FlashD2H's CPU scatter instead of
-the preset's GPU-direct writes). The device KV budget is the same for all (default 20 GiB, an
-A100-40GB-like budget); the host tier is sized for the trace. Ratios are to `dense` in the
-same run.
+the preset's GPU-direct writes; sparseserve-copyengine: by the copy engine). The device KV
+budget is the same for all (default 20 GiB, an A100-40GB-like budget); the host tier is sized
+for the trace. Ratios are to `dense` in the same run.
 
   python benchmarks/system.py --out system.json --trace mix40 --configs dense,sparseserve
   python benchmarks/system.py --out /tmp/s.json --smoke        # tiny model on the CPU
@@ -44,6 +44,8 @@ CONFIGS = {
     # prefill saves by FlashD2H (SparseServe's design: staging + CPU scatter threads) instead of
     # the preset's GPU-direct writes from a side stream
     "sparseserve-flashd2h": dict(preset="sparseserve", d2h_method="flash"),
+    # prefill saves by the copy engine (DMA per run of host rows, no SMs) instead of GPU-direct
+    "sparseserve-copyengine": dict(preset="sparseserve", d2h_method="copy-engine"),
 }
 TRACES = ("mix40", "long32", "light8")
 
