@@ -67,7 +67,9 @@ def _width_sum(kmin_ptr, kmax_ptr, stride_min, stride_max, pt_row, last, offs_d,
     return tl.sum(acc, axis=0)
 
 
-@triton.jit
+# sizes that change from step to step are not specialised on (== 1, % 16): a new size
+# class would compile a variant mid-serving, which the start-up warm-up cannot foresee
+@triton.jit(do_not_specialize=["stride_ptb", "stride_pth"])
 def _sparq_channels_kernel(
     q_ptr, kmin_ptr, kmax_ptr, ws_ptr, pt_ptr, np_ptr, out_ptr,
     stride_qb, stride_qh, stride_min, stride_max, stride_ws, stride_ptb, stride_pth, stride_npb,
@@ -194,7 +196,7 @@ def sparq_page_x(mean_ptr, lo_ptr, hi_ptr, codes_ptr, kscale_ptr, ch_row, stride
     return mx + tl.log2(tl.sum(tl.exp2(x3 - mx[:, None, :]), axis=1))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ptb", "stride_pth", "W"])
 def _sparq_scores_kernel(
     q_ptr, mean_ptr, lo_ptr, hi_ptr, codes_ptr, kscale_ptr, ch_ptr, pt_ptr, np_ptr, out_ptr,
     stride_qb, stride_qh, stride_mean, stride_lo, stride_hi, stride_codes, stride_chb,
