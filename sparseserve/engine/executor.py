@@ -3,8 +3,9 @@
 Both offer the interface LLMEngine calls:
     execute(SchedulerOutput) -> RunnerOutput
     release(rows, request_ids, pages)
-    offload_stats() -> dict | None   (two-tier cache counters, summed over ranks, with
-                                      "total_slots" = device slots x layers)
+    offload_stats(fresh=True) -> dict | None   (two-tier cache counters, summed over ranks,
+                                      with "total_slots" = device slots x layers; fresh=False:
+                                      without waiting for the device, a step late)
     graph_info() -> {"batch_sizes": [...] | None, "error": str | None}
                                      (the decode CUDA graphs rank 0 captured; None: eager)
     check_invariants(), check_health(), shutdown()   (shutdown also closes the two-tier
@@ -53,9 +54,9 @@ class UniprocExecutor:
     def release(self, rows, request_ids, pages) -> None:
         self.runner.release(rows, request_ids, pages)
 
-    def offload_stats(self) -> dict | None:
+    def offload_stats(self, fresh: bool = True) -> dict | None:
         from sparseserve.worker.tp_worker import offload_stats
-        return offload_stats(self.runner)
+        return offload_stats(self.runner, fresh)
 
     def graph_info(self) -> dict:
         from sparseserve.worker.tp_worker import graph_info
@@ -161,10 +162,10 @@ class MultiprocExecutor:
         if len(rows) or len(request_ids) or len(pages):
             self._pending.append((rows, request_ids, pages))  # sent with the next command
 
-    def offload_stats(self) -> dict | None:
+    def offload_stats(self, fresh: bool = True) -> dict | None:
         if not self.kv_offload:
             return None  # no round trip to the ranks
-        replies = self._call("offload_stats", None)
+        replies = self._call("offload_stats", fresh)
         if replies[0] is None:
             return None
         return {k: sum(r[k] for r in replies) for k in replies[0]}

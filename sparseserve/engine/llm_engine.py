@@ -293,7 +293,10 @@ class LLMEngine:
         return self.tokenizer.decode([token_id])
 
     # ---- introspection --------------------------------------------------------------------
-    def get_stats(self) -> dict[str, Any]:
+    def get_stats(self, fresh: bool = True) -> dict[str, Any]:
+        """Scheduler and two-tier cache counters. fresh=False (the server, after every step)
+        does not wait for the device: the cache's counters may be a step late (exact once
+        the engine is idle)."""
         sched = self.scheduler
         stats = {
             "num_running": len(sched.running),
@@ -314,7 +317,7 @@ class LLMEngine:
             "num_waiting_for_slots": sched.num_waiting_for_slots,
             "estimated_working_set": sched.estimated_working_set,
         }
-        tier = self.executor.offload_stats()  # summed over the TP ranks
+        tier = self.executor.offload_stats(fresh)  # summed over the TP ranks
         if tier is not None:
             stats.update({k: v for k, v in tier.items() if k in stats})
             stats["host_kv_usage"] = sched.kv.usage

@@ -138,8 +138,11 @@ class EngineLoop:
                 if need_step or self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
                     # stats before outputs: a client that reads /metrics as soon as its
-                    # request finished must see the step that finished it (its KV saves)
-                    self._refresh_stats()
+                    # request finished must see the step that finished it (its KV saves), so
+                    # such a step reads the device counters; other steps read them a step
+                    # late, without waiting for the device (no host sync per step)
+                    self._refresh_stats(fresh=any(o.finished for o in outputs)
+                                        or not self.engine.has_unfinished_requests())
                     self._dispatch(outputs)
                 elif not cmds and time.monotonic() - self._last_health > self._health_interval:
                     self._last_health = time.monotonic()
@@ -191,9 +194,9 @@ class EngineLoop:
         if added:
             with self._lock:
                 self._pending_adds -= added
-            self._refresh_stats()
+            self._refresh_stats(fresh=False)
         elif need_step:
-            self._refresh_stats()
+            self._refresh_stats(fresh=False)
         return need_step
 
     def _add(self, cmd: AddCmd) -> None:
@@ -226,9 +229,9 @@ class EngineLoop:
             if out.finished:
                 del self._routes[out.request_id]
 
-    def _refresh_stats(self) -> None:
+    def _refresh_stats(self, fresh: bool = True) -> None:
         try:
-            stats = dict(self.engine.get_stats())
+            stats = dict(self.engine.get_stats(fresh=fresh))
         except Exception:
             logger.exception("engine.get_stats() failed")
             return

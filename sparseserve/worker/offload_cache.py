@@ -132,6 +132,10 @@ class TwoTierCache:
             # the 1 GiB ring that suits Llama-3-8B's 8 KV heads (268 MB)
             kw = dict(staging_bytes=staging_ring_bytes(step_save_bytes), num_threads=8)
         self.saver = make_saver(cache.d2h_method, self.host_k, self.host_v, **kw)
+        # stats(fresh=False): device counters copied asynchronously, read a step late
+        self._counters_pinned: torch.Tensor | None = None
+        self._counters_event = None
+        self._counters_seen: list[int] | None = None
         self._host_step = 0
         self._step_tickets: dict[int, int] = {}  # step -> its last save ticket
         # bytes of decode write-through (GPU-direct); the saver counts the rest
@@ -372,15 +376,23 @@ class TwoTierCache:
         self.dev_k, self.dev_v = dev_k, dev_v
 
     # ---- introspection --------------------------------------------------------------------
-    def stats(self) -> dict[str, int]:
-        """Counters. The device counters are read with one copy (one sync), not one per
-        counter: the server reads them after every step."""
+    def stats(self, fresh: bool = True) -> dict[str, int]:
+        """Counters. The device counters are read with one copy, not one per counter: the
+        server reads them after every step. ``fresh=False`` does not wait for the device: it
+        starts an asynchronous copy into pinned memory and returns what the last finished
+        copy read (a step or so late; the same values as fresh once the device is idle);
+        the first call, or any on CPU, reads them at once."""
         saved = self.saver.stats()
         dev = self.hit_miss.device
         parts = [self.hit_miss, self.prefill_hit_miss, self.direct_bytes_saved.view(1),
                  (self.page_of[:, :-1] >= 0).sum().view(1), self.loader.counter(dev)]
-        hits, misses, p_hits, p_misses, direct, resident, pages, nbytes = \
-            torch.cat(parts).tolist()
+        if fresh or dev.type != "cuda" or self._counters_seen is None:
+            values = torch.cat(parts).tolist()  # waits for the device: any copy in flight
+            # landed before, and is older: dropped, so later lagged reads never go back
+            self._counters_seen, self._counters_event = values, None
+        else:
+            values = self._lagged_counters(parts)
+        hits, misses, p_hits, p_misses, direct, resident, pages, nbytes = values
         return {"cache_hits_total": hits, "cache_misses_total": misses,
                 "prefill_cache_hits_total": p_hits, "prefill_cache_misses_total": p_misses,
                 "bytes_loaded_total": nbytes, "bytes_saved_total": saved.bytes + direct,
@@ -388,6 +400,21 @@ class TwoTierCache:
                 # fences and free_pages, plus FlashD2H saves waiting for staging space
                 "save_wait_seconds_total": self.save_wait_s + getattr(self.saver,
                                                                        "ring_stall_s", 0.0)}
+
+    def _lagged_counters(self, parts: list[torch.Tensor]) -> list[int]:
+        """The counters of the last finished asynchronous copy; a new copy starts when the
+        previous one has landed (the pinned buffer is never overwritten while unread)."""
+        ev = self._counters_event
+        if ev is None or ev.query():
+            if ev is not None:
+                self._counters_seen = self._counters_pinned.tolist()
+            cur = torch.cat(parts)
+            if self._counters_pinned is None:
+                self._counters_pinned = torch.empty(cur.shape, dtype=cur.dtype, pin_memory=True)
+            self._counters_pinned.copy_(cur, non_blocking=True)
+            self._counters_event = torch.cuda.Event()
+            self._counters_event.record()
+        return self._counters_seen
 
     def check_invariants(self) -> None:
         """The residency index and the reverse map agree (tests; reads the device): every

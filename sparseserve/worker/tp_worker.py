@@ -42,12 +42,13 @@ class RankRunner(ModelRunner):
         return result
 
 
-def offload_stats(runner: ModelRunner) -> dict | None:
-    """The two-tier cache's counters plus its size in slots x layers (None without it)."""
+def offload_stats(runner: ModelRunner, fresh: bool = True) -> dict | None:
+    """The two-tier cache's counters plus its size in slots x layers (None without it);
+    fresh=False: without waiting for the device (TwoTierCache.stats)."""
     off = runner.offload
     if off is None:
         return None
-    stats = dict(off.stats())
+    stats = dict(off.stats(fresh))
     stats["total_slots"] = off.num_slots * off.num_layers
     return stats
 
@@ -64,7 +65,7 @@ def _serve(runner: ModelRunner, cmd: str, arg):
     if cmd == "execute":
         return runner.execute(arg)
     if cmd == "offload_stats":
-        return offload_stats(runner)
+        return offload_stats(runner, True if arg is None else bool(arg))
     if cmd == "graph_info":
         return graph_info(runner)
     if cmd == "check_invariants":

@@ -223,7 +223,7 @@ class FakeEngine:
         return RequestOutput(r.rid, r.prompt, list(r.prompt_ids), outs, r.finished,
                              RequestMetrics(**vars(r.metrics)), new_token_times=[now] * len(r.seqs))
 
-    def get_stats(self) -> dict:
+    def get_stats(self, fresh: bool = True) -> dict:
         used = sum(self._pages.values())
         return {
             "num_running": sum(1 for r in self._reqs.values() if r.running),
