@@ -29,7 +29,8 @@ from sparseserve.bench.texts import load_texts
 
 # candidates for the default (oracle reads all keys; streaming is a static baseline)
 SERVING = ("quest", "arkvale", "infllm", "quest-b16", "quest-b8", "arkvale-b16", "arkvale-b8",
-           "keycode1", "keycode2", "keycode2-sl", "keycode2-sl2", "keycode2-c2", "keycode2-c4", "keycode2-c8")
+           "keycode1", "keycode2", "keycode2-sl", "keycode2-sl2", "keycode2-c2", "keycode2-c4", "keycode2-c8",
+           "keycode2-sparq")
 
 SWEEP = ("s2l4d0", "s1l2d0", "s1l8d0", "s1l4d1", "s1l4d2")  # one knob at a time around BASE
 
