@@ -25,8 +25,8 @@ loaded as [BLOCK_W, page_size / 16, R] words (each channel's words contiguous), 
 shifts and scaled by their step to [BLOCK_W, PS, R] (two operations per code after the
 shifts), and one dense ``tl.dot`` [BLOCK_W * PS, R] x [R, GP] (the same R for every page of
 the row: no per-page query gather, unlike ``channel_codes.chan_code_page_x``) gives every
-token's part; then a per-page log2-sum-exp2. Needs R >= 16 and a power of two (the dot's K) and page_size a power of two
->= 16; the dispatcher runs the reference otherwise. Fixed grids, no host synchronisation.
+token's part; then a per-page log2-sum-exp2. Needs R >= 16 and a power of two (the dot's K)
+and page_size a power of two >= 16; the dispatcher runs the reference otherwise. Fixed grids, no host synchronisation.
 
 Not measured on a GPU yet (written without one): BLOCK_W and warps are first guesses.
 """

@@ -48,9 +48,8 @@ def _explicit(alg, summ, q, table, num, chosen):
     mean = alg.page_mean(summ, rows).double()                          # [B, Hkv, W, D]
     kh = alg.approx_keys(summ, rows).double()                          # [B, Hkv, W, ps, D]
     qg = q.double().view(B, Hkv, Hq // Hkv, D)
-    qm = torch.zeros_like(qg).scatter_(-1, chosen.long().unsqueeze(2).expand(-1, -1, qg.shape[2], -1),
-                                       qg.gather(-1, chosen.long().unsqueeze(2).expand(
-                                           -1, -1, qg.shape[2], -1)))
+    idx = chosen.long().unsqueeze(2).expand(-1, -1, qg.shape[2], -1)    # [B, Hkv, G, R]
+    qm = torch.zeros_like(qg).scatter_(-1, idx, qg.gather(-1, idx))      # q on the R channels
     x = (torch.einsum("bhgd,bhwd->bhgw", qg, mean).unsqueeze(-1)
          + torch.einsum("bhgd,bhwtd->bhgwt", qm, kh - mean.unsqueeze(-2))) * D ** -0.5
     return torch.logsumexp(x, -1) / D ** -0.5
