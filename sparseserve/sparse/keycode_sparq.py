@@ -113,7 +113,10 @@ class KeyCodeSparQ(SparseAlgorithm):
         summaries["codes"][rows] = pack_codes(code.transpose(1, 2).reshape(n, d * ps), 2)
         summaries["kscale"][rows] = amax / 127
         summaries["kmean"][rows] = (mean / amax * 127).round().to(summaries["kmean"].dtype)
-        summaries["wsum"][rows] = -1.0
+        # not ``wsum[rows] = -1.0``: on a CUDA tensor, a Python scalar assigned through a tensor
+        # index becomes a CPU tensor copied to the GPU (index_put_), which CUDA-graph capture
+        # of the decode step (that indexes the pages it fills) refuses
+        summaries["wsum"].index_fill_(0, rows, -1.0)
 
     # ---- decoding (tests, analysis) ------------------------------------------------------------
     def page_mean(self, summaries, rows: torch.Tensor) -> torch.Tensor:
