@@ -6,7 +6,7 @@ offloaded step's overhead over dense).
 A tiny dummy model (benchmarks/common.py's smoke config: llama-3-8b widths cut to 2 layers)
 runs a few requests through prefill, then one decode step is counted with the GPU's code path
 forced on CPU tensors (Triton kernels in the interpreter: the fused retrieve, FlashH2D, the
-slot store, GPU-direct write-through, paged decode and selection kernels). Counted per layer,
+slot store, paged decode and selection kernels). Counted per layer,
 inside OffloadForwardContext.attention (what the offloaded decode adds to a layer: save,
 select, retrieve, store, index, attend):
 
@@ -17,7 +17,9 @@ select, retrieve, store, index, attend):
 
 Layer 0 also computes the step's per-layer-independent plan (OffloadForwardContext.
 _decode_plan); in a CUDA graph every layer replays its own launches, so the per-layer cost is
-that of layers >= 1, the plan's once per step.
+that of layers >= 1, the plan's once per step. Not counted (once per step, after the layers:
+OffloadForwardContext.finish_layers): the residency indexes' rebuild-if-full for every layer
+(three launches) and the decode rows' DRAM write-through (one GPU-direct launch).
 
   TRITON_INTERPRET=1 python benchmarks/decode_launches.py [--fills] [--json out.json]
 """
@@ -110,13 +112,6 @@ def gpu_paths(counter: Counter, cache):
     cache.fused = True
     patch(cache.loader, "backend", "triton")
 
-    def write_through(layer, k, v, pages, offsets):  # the GPU's branch of write_through
-        from sparseserve.transfer.gpu_direct import gpu_direct_save
-        if layer == 0:
-            cache.direct_bytes_saved += 2 * k.numel() * k.element_size() * cache.num_layers
-        gpu_direct_save(cache.host_k[layer], cache.host_v[layer], k, v, pages,
-                        offsets.expand(pages.shape))
-    patch(cache, "write_through", write_through)  # other callers (the decode step: its store)
     try:
         yield
     finally:

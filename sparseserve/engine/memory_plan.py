@@ -203,7 +203,8 @@ def metadata_bytes(cfg: EngineConfig) -> dict[str, int]:
     (chunk ids [rows + 1, Hkv, n] int32 + offsets [n * C] int32); offload_cache.TwoTierCache
     (page_of / last_access / owner [L, slots + 1] int64, fill counts [L, 2], quotas
     [rows + 1], six int64 counters + the loader's two; residency index [L, table_size]
-    int32; selection stamps of every host page [L, n * C] int32 and chunk owners [n]); the
+    int32; selection stamps of every host page [L, n * C] int32 and chunk owners [n]; the
+    decode write-through stage [2, L, rows + 1, Hkv, D] in the KV dtype); the
     RoPE tables (layers.RotaryEmbedding: [len, D] + [len, 2, D] fp32, inv_freq) and
     penalties.PenaltyState at its largest ([max_num_seqs, vocab] bool + int32)."""
     from sparseserve.kernels.residency_hash import table_size
@@ -226,6 +227,8 @@ def metadata_bytes(cfg: EngineConfig) -> dict[str, int]:
         # n = cdiv(host pages + 1, C) (TwoTierCache: working sets counted by selection)
         n_host_chunks = _cdiv(c.num_host_pages + 1, chunk)
         out["selection_stamps"] = layers * n_host_chunks * chunk * 4 + n_host_chunks * 8 + 4
+        if c.d2h_method != "memcpy":  # decode rows' K / V staged for their write-through
+            out["decode_stage"] = 2 * layers * (rows + 1) * hkv * d * e
     return out
 
 

@@ -90,33 +90,40 @@ def _due(fill_ptr, H, FORCE: tl.constexpr):
     return due
 
 
+# program_id(1) is the layer: one launch serves one table or every layer's ([L, H] tables,
+# [L, S] reverse maps, [L, 2] fill counts; strides in elements)
 @triton.jit
-def _clear_kernel(table_ptr, fill_ptr, H, FORCE: tl.constexpr, BLOCK: tl.constexpr):
+def _clear_kernel(table_ptr, fill_ptr, H, stride_t, FORCE: tl.constexpr, BLOCK: tl.constexpr):
     """table = -1 when a rebuild is due."""
-    if _due(fill_ptr, H, FORCE):
+    layer = tl.program_id(1).to(tl.int64)
+    if _due(fill_ptr + 2 * layer, H, FORCE):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(table_ptr + i, tl.full((BLOCK,), -1, tl.int32), mask=i < H)
+        tl.store(table_ptr + layer * stride_t + i, tl.full((BLOCK,), -1, tl.int32),
+                 mask=i < H)
 
 
 @triton.jit
-def _rebuild_kernel(table_ptr, page_of_ptr, fill_ptr, S, H, mask, FORCE: tl.constexpr,
-                    BLOCK: tl.constexpr):
+def _rebuild_kernel(table_ptr, page_of_ptr, fill_ptr, S, H, mask, stride_t, stride_p,
+                    FORCE: tl.constexpr, BLOCK: tl.constexpr):
     """When a rebuild is due: insert every slot s < S with page_of[s] >= 0 into the cleared
     table; fill[1] += entries inserted."""
-    if _due(fill_ptr, H, FORCE):
+    layer = tl.program_id(1).to(tl.int64)
+    fill = fill_ptr + 2 * layer
+    if _due(fill, H, FORCE):
         s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        p = tl.load(page_of_ptr + s, mask=s < S, other=-1).to(tl.int64)
+        p = tl.load(page_of_ptr + layer * stride_p + s, mask=s < S, other=-1).to(tl.int64)
         pending = p >= 0
-        tl.atomic_add(fill_ptr + 1, tl.sum(pending.to(tl.int64), axis=0))
-        insert_slots(table_ptr, p, s.to(tl.int32), pending, mask)
+        tl.atomic_add(fill + 1, tl.sum(pending.to(tl.int64), axis=0))
+        insert_slots(table_ptr + layer * stride_t, p, s.to(tl.int32), pending, mask)
 
 
 @triton.jit
 def _finish_kernel(fill_ptr, H, FORCE: tl.constexpr):
     """After a rebuild the table holds exactly the inserted entries."""
-    if _due(fill_ptr, H, FORCE):
-        tl.store(fill_ptr, tl.load(fill_ptr + 1))
-        tl.store(fill_ptr + 1, 0)
+    fill = fill_ptr + 2 * tl.program_id(0).to(tl.int64)
+    if _due(fill, H, FORCE):
+        tl.store(fill, tl.load(fill + 1))
+        tl.store(fill + 1, 0)
 
 
 @triton.jit
@@ -160,27 +167,36 @@ def rebuild(table: torch.Tensor, page_of: torch.Tensor, fill: torch.Tensor | Non
 def rebuild_if_full(table: torch.Tensor, page_of: torch.Tensor, fill: torch.Tensor, *,
                     backend: str | None = None) -> None:
     """``rebuild`` only if the table's entries (fill[0], live + stale) exceed half of it;
-    decided on the device (no sync, capturable)."""
+    decided on the device (no sync, capturable). Several layers at once: table [L, H],
+    page_of [L, S], fill [L, 2] (three launches for all of them), each decided on its own."""
     _rebuild(table, page_of, fill, False, backend)
 
 
 def _rebuild(table, page_of, fill, force: bool, backend: str | None) -> None:
-    H = table.shape[0]
-    assert H & (H - 1) == 0 and page_of.shape[0] <= H // 2
+    if table.dim() == 1:
+        table, page_of = table.unsqueeze(0), page_of.unsqueeze(0)
+        fill = None if fill is None else fill.unsqueeze(0)
+    L, H = table.shape
+    assert H & (H - 1) == 0 and page_of.shape[1] <= H // 2
+    assert table.stride(1) == 1 and page_of.stride(1) == 1
     if _backend(table, backend) == "torch":
-        table.fill_(-1)  # the CPU path rebuilds every time (no device-side branch)
-        _torch_rebuild(table, page_of)
-        if fill is not None:
-            fill[0] = (page_of >= 0).sum()
-            fill[1] = 0
+        for layer in range(L):  # the CPU path rebuilds every time (no device-side branch)
+            table[layer].fill_(-1)
+            _torch_rebuild(table[layer], page_of[layer])
+            if fill is not None:
+                fill[layer, 0] = (page_of[layer] >= 0).sum()
+                fill[layer, 1] = 0
         return
     if fill is None:
-        fill = torch.zeros(2, dtype=torch.int64, device=table.device)
-    S = page_of.shape[0]
-    _clear_kernel[(triton.cdiv(H, 1024),)](table, fill, H, FORCE=force, BLOCK=1024)
-    _rebuild_kernel[(triton.cdiv(S, BLOCK),)](table, page_of, fill, S, H, H - 1, FORCE=force,
-                                              BLOCK=BLOCK)
-    _finish_kernel[(1,)](fill, H, FORCE=force)
+        fill = torch.zeros((L, 2), dtype=torch.int64, device=table.device)
+    assert fill.is_contiguous()
+    S = page_of.shape[1]
+    _clear_kernel[(triton.cdiv(H, 1024), L)](table, fill, H, table.stride(0), FORCE=force,
+                                             BLOCK=1024)
+    _rebuild_kernel[(triton.cdiv(S, BLOCK), L)](table, page_of, fill, S, H, H - 1,
+                                                table.stride(0), page_of.stride(0),
+                                                FORCE=force, BLOCK=BLOCK)
+    _finish_kernel[(L,)](fill, H, FORCE=force)
 
 
 def lookup(table: torch.Tensor, page_of: torch.Tensor, pages: torch.Tensor, *,

@@ -261,7 +261,7 @@ def category_lru_order(last_access, owner_row, row_quota, step, num_buckets: int
 def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota, step,
                    counters, table_fill, scratch_page: int, scratch_slot: int,
                    num_buckets: int, fresh_from=None, victim_order=None, *, fresh_last=None,
-                   stamps=None, lru_scratch=None):
+                   stamps=None, lru_scratch=None, rebuild: bool = True):
     """One layer's retrieve on the GPU (see module doc).
 
     pages [B, Hkv, K] int32/int64 selected host pages; num_sel [B, Hkv] int32 valid entries;
@@ -281,6 +281,9 @@ def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota,
     victim_order: None for category LRU with `num_buckets` age buckets (fused here), or the
     policy's own order f(last [S], owner [S], row_quota, step) -> [S] slots, first evicted
     first (the caller's policy module; it sees the hits already touched).
+    rebuild: False leaves the residency index's rebuild-if-full to the caller (the decode
+    step does every layer's at once after its layers; safe because one call inserts at most
+    S entries into a table of >= 4 S kept at most half full between rebuilds).
     """
     B, Hkv, K = pages.shape
     N = B * Hkv * K
@@ -320,5 +323,6 @@ def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota,
                          table, table_fill, miss if zero is None else zero, N, K, Hkv * K, S,
                          mask, 0 if zero is None else zero.shape[0], FRESH=mode,
                          BLOCK=ENTRY_BLOCK)
-    rebuild_if_full(table, page_of, table_fill, backend="triton")  # also on CPU tensors (tests)
+    if rebuild:  # else the caller runs rebuild_if_full before the table can fill up
+        rebuild_if_full(table, page_of, table_fill, backend="triton")  # also CPU tensors (tests)
     return slots.view(B, Hkv, K), load_src, load_dst, num_loads

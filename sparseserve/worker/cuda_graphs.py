@@ -56,6 +56,7 @@ class DecodeGraphs:
                                         save_pages=None, save_offsets=None, decode_fills=fills)
         h = r.model.embed(self.input_ids[:b])
         h = r.model.run_layers(h, self.positions[:b], ctx, 0, r.num_layers)
+        ctx.finish_layers(0, r.num_layers)
         return r.model.compute_logits(h)
 
     @torch.inference_mode()

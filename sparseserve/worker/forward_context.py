@@ -140,6 +140,10 @@ class ForwardContext:
         self.fill_tokens = torch.full_like(self.fill_ids, ps) if ids else None
         self.tok_entry = tok_entry
 
+    def finish_layers(self, l0: int, l1: int) -> None:
+        """Called after layers [l0, l1) ran with this context (the two-tier cache writes its
+        staged decode rows through to DRAM here); nothing to do with every page in HBM."""
+
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor) -> torch.Tensor:
         # q [T, Hq, D]; k, v [T, Hkv, D]

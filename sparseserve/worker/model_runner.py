@@ -101,7 +101,7 @@ class ModelRunner:
                 cfg.cache, self.num_layers, mc.head_dim, rows, self.dtype, self.device,
                 sc.working_set_window,
                 step_save_bytes=step_token_layers * self.num_kv_heads * mc.head_dim
-                * self.dtype.itemsize * 2)
+                * self.dtype.itemsize * 2, num_kv_heads=self.num_kv_heads)
             self.offload.attach_device_tier(self.kv.k, self.kv.v)
             num_ids = cfg.cache.num_host_pages
         # the device page table: a chunk directory (+ CPU mirror for the saver's host ids)
@@ -240,6 +240,7 @@ class ModelRunner:
             if len(active) == len(chunks):
                 ctx = self._context(chunks, offsets, token_rows, positions)
                 h = self.model.run_layers(h, positions, ctx, a, b)
+                ctx.finish_layers(a, b)
                 continue
             sub = [chunks[i] for i in active]
             idx_np = np.concatenate([np.arange(offsets[i], offsets[i] + chunks[i].num_tokens)
@@ -249,6 +250,7 @@ class ModelRunner:
             ctx = self._context(sub, sub_offsets, token_rows[idx], positions[idx],
                                 np_idx=idx_np)
             h[idx] = self.model.run_layers(h[idx], positions[idx], ctx, a, b)
+            ctx.finish_layers(a, b)
 
         for c, off in zip(chunks, offsets):
             if c.layer_end < self.num_layers:

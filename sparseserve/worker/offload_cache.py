@@ -70,8 +70,10 @@ def _alloc_pinned(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torc
 class TwoTierCache:
     def __init__(self, cache: CacheConfig, num_layers: int, head_dim: int, num_rows: int,
                  dtype: torch.dtype, device: torch.device, working_set_window: int = 12,
-                 step_save_bytes: int = 0) -> None:
-        """step_save_bytes: the most prefill K + V one step can save (its prompt tokens x
+                 step_save_bytes: int = 0, num_kv_heads: int | None = None) -> None:
+        """num_kv_heads: sizes the decode rows' DRAM write-through stage (decode_stage); None
+        (unit tests of the cache alone): allocated at its first use.
+        step_save_bytes: the most prefill K + V one step can save (its prompt tokens x
         layers x KV heads x head_dim x 2 x element size); sizes FlashD2H's staging ring."""
         self.window = working_set_window
         self.num_layers = num_layers
@@ -132,6 +134,11 @@ class TwoTierCache:
             # the 1 GiB ring that suits Llama-3-8B's 8 KV heads (268 MB)
             kw = dict(staging_bytes=staging_ring_bytes(step_save_bytes), num_threads=8)
         self.saver = make_saver(cache.d2h_method, self.host_k, self.host_v, **kw)
+        # decode rows' new K / V per layer, written through to DRAM once per step
+        # (flush_decode_saves): [2, L, rows + 1, Hkv, D]; absent for the per-page baseline
+        self._dec_stage = None
+        if self.direct_decode_saves and num_kv_heads is not None:
+            self._alloc_stage(num_kv_heads, head_dim, dtype, device)
         # stats(fresh=False): device counters copied asynchronously, read a step late
         self._counters_pinned: torch.Tensor | None = None
         self._counters_event = None
@@ -266,28 +273,64 @@ class TwoTierCache:
     def count_direct_saves(self, layer: int, k: torch.Tensor) -> None:
         """Count a GPU-direct write-through of k [T, Hkv, D] (and as much V) at every layer:
         a device counter, so replays of a captured step count too; once per step (every
-        layer writes the same rows). The decode step's rows are written by its slot store
-        (kernels/slot_store.py), other callers use write_through."""
+        layer writes the same rows). The decode step's rows are staged by its slot store
+        (kernels/slot_store.py) and written by flush_decode_saves."""
         if layer == 0:
             self.direct_bytes_saved += 2 * k.numel() * k.element_size() * self.num_layers
 
-    def write_through(self, layer: int, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor,
-                      offsets: torch.Tensor) -> None:
-        """host[pages[t, h], offsets[t]] = k/v[t, h] on the device's stream. k/v [T, Hkv, D];
-        pages [T, Hkv] host ids; offsets [T, 1]."""
-        hk, hv = self.host_k[layer], self.host_v[layer]
-        self.count_direct_saves(layer, k)
-        if k.is_cuda:
+    def _alloc_stage(self, hkv: int, head_dim: int, dtype: torch.dtype,
+                     device: torch.device) -> None:
+        self._dec_stage = torch.empty((2, self.num_layers, self.num_rows + 1, hkv, head_dim),
+                                      dtype=dtype, device=device)
+
+    def decode_stage(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a decode step's slot store copies the new K / V of `layer`, k [n, Hkv, D]
+        (and as much V): ([n, Hkv, D], [n, Hkv, D]) contiguous, for flush_decode_saves."""
+        if self._dec_stage is None:
+            self._alloc_stage(k.shape[1], k.shape[2], k.dtype, k.device)
+        n = k.shape[0]
+        return self._dec_stage[0, layer, :n], self._dec_stage[1, layer, :n]
+
+    def finish_decode(self, l0: int, l1: int, pages: torch.Tensor | None,
+                      offsets: torch.Tensor | None) -> None:
+        """After a decode step's layers [l0, l1): their residency indexes' rebuild-if-full in
+        one set of launches (the fused retrieve left it out), and their staged decode rows
+        written through to DRAM (flush_decode_saves; pages None: nothing staged)."""
+        if self.fused:
+            residency_hash.rebuild_if_full(self.res_table[l0:l1], self.page_of[l0:l1],
+                                           self.res_fill[l0:l1], backend="triton")
+        if pages is not None:
+            self.flush_decode_saves(l0, l1, pages, offsets)
+
+    def flush_decode_saves(self, l0: int, l1: int, pages: torch.Tensor,
+                           offsets: torch.Tensor) -> None:
+        """Write the staged decode rows of layers [l0, l1) through to their host pages in one
+        GPU-direct launch on the compute stream (after those layers, before any later load
+        of the pages): host[l][pages[b, h], offsets[b]] = stage[l][b, h]. pages [B, Hkv]
+        host ids (< 0: not saved), offsets [B] int."""
+        n, hkv = pages.shape
+        L = l1 - l0
+        stage_k = self._dec_stage[0, l0:l1, :n].reshape(L * n, hkv, -1)
+        stage_v = self._dec_stage[1, l0:l1, :n].reshape(L * n, hkv, -1)
+        hp1 = self._host.shape[2]                        # host pages + 1 per layer
+        base = torch.arange(l0, l1, device=pages.device).view(L, 1, 1) * hp1
+        ids = torch.where(pages >= 0, pages.long() + base, -1).view(L * n, hkv)
+        offs = offsets.long().repeat(L).view(-1, 1).expand(L * n, hkv)
+        host_k = self._host[0].view(-1, *self._host.shape[3:])   # [L * (P + 1), ps, D]
+        host_v = self._host[1].view(-1, *self._host.shape[3:])
+        if stage_k.is_cuda:
             from sparseserve.transfer.gpu_direct import gpu_direct_save
-            gpu_direct_save(hk, hv, k, v, pages, offsets.expand(pages.shape))
+            gpu_direct_save(host_k, host_v, stage_k, stage_v, ids, offs)
         else:
-            hk[pages, offsets] = k
-            hv[pages, offsets] = v
+            live = ids >= 0
+            host_k[ids[live], offs[live]] = stage_k[live]
+            host_v[ids[live], offs[live]] = stage_v[live]
 
     # ---- retrieve -------------------------------------------------------------------------
     def retrieve(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor,
                  rows: torch.Tensor, fresh_from: torch.Tensor | None = None,
-                 prefill: bool = False, fresh_last: torch.Tensor | None = None) -> torch.Tensor:
+                 prefill: bool = False, fresh_last: torch.Tensor | None = None,
+                 defer_rebuild: bool = False) -> torch.Tensor:
         """Map selected host pages to device slots, loading the misses.
 
         pages [B, Hkv, K] host page ids; num_sel [B, Hkv] int (valid entries of each row of
@@ -298,13 +341,16 @@ class TwoTierCache:
         `fresh_last` [B] int32 (instead): where nonzero, the last valid entry of row b's
         selections (k = num_sel[b, h] - 1) is such a page (decode: the token starts it).
         `prefill`: count hits and misses apart from decode's (a prefill mapping its own pages)
-        and stamp no working set. On a GPU the bookkeeping (stamps included) is fused
+        and stamp no working set. `defer_rebuild`: leave the residency index's rebuild-if-full
+        to finish_decode, which the caller runs after the step's layers (one call per layer
+        and step in between: see fused_retrieve). On a GPU the bookkeeping (stamps included) is fused
         (kernels/retrieve.py); the torch version below is the CPU path and the reference."""
         counter = self.prefill_hit_miss if prefill else self.hit_miss
         if self.fused:  # the fused kernels take num_sel and stamp themselves
             stamps = None if prefill else (self.stamps.last_selected[layer], self.stamps.step)
             return self._retrieve_fused(layer, pages, num_sel, rows, fresh_from, counter,
-                                        fresh_last=fresh_last, stamps=stamps)
+                                        fresh_last=fresh_last, stamps=stamps,
+                                        defer_rebuild=defer_rebuild)
         K = pages.shape[2]
         k = torch.arange(K, device=pages.device).view(1, 1, K)
         valid = k < num_sel.unsqueeze(-1)  # [B, Hkv, K]
@@ -320,8 +366,8 @@ class TwoTierCache:
     def _retrieve_fused(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor,
                         rows: torch.Tensor, fresh_from: torch.Tensor | None,
                         counter: torch.Tensor, fresh_last: torch.Tensor | None = None,
-                        stamps: tuple[torch.Tensor, torch.Tensor] | None = None
-                        ) -> torch.Tensor:
+                        stamps: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        defer_rebuild: bool = False) -> torch.Tensor:
         """retrieve with the fused kernels (GPU; CPU tensors run them in the interpreter).
         stamps: (last_selected row of the layer, stamp step) for a decode selection."""
         from sparseserve.kernels.retrieve import fused_retrieve
@@ -333,7 +379,8 @@ class TwoTierCache:
             self.last_access[layer], self.owner[layer], self.row_quota, self.step,
             counter, self.res_fill[layer], self.scratch_page, self.scratch_slot,
             NUM_BUCKETS, fresh_from, victim_order=order, fresh_last=fresh_last,
-            stamps=stamps, lru_scratch=self._lru_scratch[layer])
+            stamps=stamps, lru_scratch=self._lru_scratch[layer],
+            rebuild=not defer_rebuild)
         self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
                          self.dev_v[layer], load_src, load_dst, num_live=num_loads)
         return slots

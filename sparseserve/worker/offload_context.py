@@ -35,6 +35,20 @@ class OffloadForwardContext(ForwardContext):
         self.save_offsets = save_offsets
         self._save_plan = None  # made at the first layer that saves, reused by the others
         self._prefill_plans: dict[int, dict] = {}  # q_start -> _prefill_plan (same reuse)
+        self._staged = False  # decode rows staged for their write-through (finish_layers)
+
+    def finish_layers(self, l0: int, l1: int) -> None:
+        """After layers [l0, l1) ran with this context: the decode step's per-step work of
+        those layers in one set of launches each (TwoTierCache.finish_decode: the residency
+        indexes' rebuild-if-full, and the staged decode rows written through to DRAM) on the
+        compute stream, so before any later step reads those tables or loads those pages."""
+        if not self.num_decode:
+            return
+        nd = self.num_decode
+        staged = self._staged
+        self._staged = False
+        self.cache.finish_decode(l0, l1, self.store_pages[:nd] if staged else None,
+                                 self.store_offsets[:nd].view(-1) if staged else None)
 
     def _plan_index(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
         pass  # pages are indexed through the two tiers (see _index_via_scratch)
@@ -72,15 +86,18 @@ class OffloadForwardContext(ForwardContext):
         # a token that starts a page: the selection's last entry (its page) has no data yet
         # (the flags are the step's; the kernels find each row's last entry themselves)
         slots = cache.retrieve(layer, sel.page_table, sel.num_pages, self.dec_rows,
-                               fresh_last=self._decode_plan()["starts"])
+                               fresh_last=self._decode_plan()["starts"],
+                               defer_rebuild=True)  # finish_layers rebuilds all at once
         dev_k, dev_v = cache.dev_k[layer], cache.dev_v[layer]
         # the token's page is the selection's last entry, now resident: store the token there
-        # ... and write it through to its host page in the same launch (GPU-direct)
-        host = None
+        # ... and stage it for its DRAM write-through, one launch for all layers after them
+        # (finish_layers)
+        stage = None
         if cache.direct_decode_saves:
-            host = (cache.host_k[layer], cache.host_v[layer], self.store_pages[:q.shape[0]])
+            stage = cache.decode_stage(layer, k)
+            self._staged = True
         last_slot = store_decode_tokens(slots, sel.num_pages, self.store_offsets[:q.shape[0]]
-                                        .view(-1), k, v, dev_k, dev_v, host)  # [B, Hkv]
+                                        .view(-1), k, v, dev_k, dev_v, stage)  # [B, Hkv]
         if self.decode_fills:
             self._index_decode_fills(layer, q, last_slot, summaries)
         slots = slots.to(torch.int32)

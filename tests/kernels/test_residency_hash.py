@@ -55,3 +55,36 @@ def test_table_size_keeps_load_at_most_half():
     for s in (1, 2, 17, 1000, 4096, 4097):
         h = rh.table_size(s)
         assert h & (h - 1) == 0 and h >= 2 * s
+
+
+@pytest.mark.parametrize("num_slots", [1, 17, 97])
+def test_batched_rebuild_if_full_decides_per_layer(device, num_slots):
+    """rebuild_if_full over [L, H] tables in one launch set == each layer on its own: a layer
+    whose entries exceed half its table is rebuilt (fill = its mapped slots, stale entries
+    gone), the others are left as they were (a stale entry there stays)."""
+    g = torch.Generator().manual_seed(num_slots)
+    L, H = 3, rh.table_size(num_slots)
+    page_of = torch.full((L, num_slots), -1, dtype=torch.long)
+    for layer in range(L):
+        k = max(1, num_slots // (layer + 1))
+        page_of[layer, torch.randperm(num_slots, generator=g)[:k]] = \
+            torch.randperm(10**5, generator=g)[:k]
+    page_of = page_of.to(device)
+    table = torch.empty((L, H), dtype=torch.int32, device=device)
+    fill = torch.zeros((L, 2), dtype=torch.long, device=device)
+    for layer in range(L):
+        rh.rebuild(table[layer], page_of[layer], fill[layer], backend="triton")
+    old = page_of.clone()
+    page_of[:, 0] = torch.tensor([10**6, 10**6 + 1, 10**6 + 2], device=device)  # remaps
+    fill[:, 0] = torch.tensor([H // 2 + 1, H // 2, H], device=device)      # due, not, due
+    before = table.clone()
+    rh.rebuild_if_full(table, page_of, fill, backend="triton")
+    for layer, due in enumerate((True, False, True)):
+        if due:
+            assert int(fill[layer, 0]) == int((page_of[layer] >= 0).sum())
+            q = torch.cat([page_of[layer], old[layer, :1]])
+            assert torch.equal(rh.lookup(table[layer], page_of[layer], q, backend="triton"),
+                               expected(page_of[layer], q))
+        else:
+            assert int(fill[layer, 0]) == H // 2 and torch.equal(table[layer], before[layer])
+    assert torch.equal(fill[:, 1], torch.zeros(L, dtype=torch.long, device=device))

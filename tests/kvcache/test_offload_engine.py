@@ -150,3 +150,28 @@ def test_device_metadata_grows_with_slots_not_host_tier(model_dir):
         sizes.append(sum(t.numel() * t.element_size() for t in
                          (r.pages.chunks, off.res_table, off.page_of, off.last_access, off.owner)))
     assert sizes[0] == sizes[1]
+
+
+def test_gpu_retrieve_path_defers_index_rebuilds_to_the_step_end(model_dir, monkeypatch):
+    """The GPU's code path on CPU tensors (the fused retrieve's Triton kernels in the
+    interpreter): a decode step leaves every layer's residency-index rebuild to one batched
+    launch set after its layers (TwoTierCache.finish_decode), and its decode rows' DRAM
+    write-through to one launch; a tight cache evicts enough that rebuilds are due, and the
+    tokens still equal the all-resident run's."""
+    from sparseserve.kernels import residency_hash
+
+    calls = []
+    real = residency_hash.rebuild_if_full
+    monkeypatch.setattr(residency_hash, "rebuild_if_full",
+                        lambda table, *a, **kw: (calls.append(table.dim()), real(table, *a, **kw)))
+    ps = prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    resident = LLM(model_dir, **SPARSE).generate(ps, params, use_tqdm=False)
+    llm = offload_llm(model_dir, 32, max_num_batched_tokens=48, d2h_method="gpu-direct")
+    off = llm.engine.runner.offload
+    off.fused = True
+    outs = llm.generate(ps, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in resident]
+    assert 2 in calls  # the decode steps' batched rebuild over every layer
+    assert llm.engine.get_stats()["cache_misses_total"] > 0
+    llm.engine.check_invariants()
