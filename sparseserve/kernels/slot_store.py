@@ -6,7 +6,7 @@ into it at the token's offset and returns the slot (the caller indexes the page 
 the token fills it). Replaces a gather + two index_puts and their index arithmetic (~8
 launches per layer) with one. With a stage it also copies the rows into a device buffer
 [B, Hkv, D], from which one launch per step writes every layer's rows through to DRAM
-(TwoTierCache.flush_decode_saves): writing them to pinned host memory from this kernel made
+(worker/decode_write_through.py): writing them to pinned host memory from this kernel made
 each layer's launch wait for its PCIe writes (~12 us instead of ~3 on the H200, light8
 profile, fourteenth session). Fixed grid, no host sync: capturable in a CUDA graph.
 """

@@ -33,7 +33,9 @@ from sparseserve.kernels import residency_hash
 from sparseserve.kernels.retrieve import lru_scratch_size
 from sparseserve.kvcache.eviction import NUM_BUCKETS, victim_order
 from sparseserve.transfer import PageLoader, SavePlan, make_save_plan, make_saver
+from sparseserve.worker.decode_write_through import DecodeWriteThrough
 from sparseserve.worker.host_copy import to_device
+from sparseserve.worker.lagged_counters import LaggedCounters
 from sparseserve.worker.selection_stamps import SelectionStamps
 
 # last_access of a slot whose page has a save in flight (+ the step's parity): in the future,
@@ -135,14 +137,12 @@ class TwoTierCache:
             kw = dict(staging_bytes=staging_ring_bytes(step_save_bytes), num_threads=8)
         self.saver = make_saver(cache.d2h_method, self.host_k, self.host_v, **kw)
         # decode rows' new K / V per layer, written through to DRAM once per step
-        # (flush_decode_saves): [2, L, rows + 1, Hkv, D]; absent for the per-page baseline
-        self._dec_stage = None
+        # (worker/decode_write_through.py); its stage is not allocated for the per-page baseline
+        self.write_through = DecodeWriteThrough(self._host, num_rows)
         if self.direct_decode_saves and num_kv_heads is not None:
-            self._alloc_stage(num_kv_heads, head_dim, dtype, device)
+            self.write_through.allocate(num_kv_heads, head_dim, dtype, device)
         # stats(fresh=False): device counters copied asynchronously, read a step late
-        self._counters_pinned: torch.Tensor | None = None
-        self._counters_event = None
-        self._counters_seen: list[int] | None = None
+        self.counters = LaggedCounters()
         self._host_step = 0
         self._step_tickets: dict[int, int] = {}  # step -> its last save ticket
         # bytes of decode write-through (GPU-direct); the saver counts the rest
@@ -274,57 +274,25 @@ class TwoTierCache:
         """Count a GPU-direct write-through of k [T, Hkv, D] (and as much V) at every layer:
         a device counter, so replays of a captured step count too; once per step (every
         layer writes the same rows). The decode step's rows are staged by its slot store
-        (kernels/slot_store.py) and written by flush_decode_saves."""
+        (kernels/slot_store.py) and written by finish_decode."""
         if layer == 0:
             self.direct_bytes_saved += 2 * k.numel() * k.element_size() * self.num_layers
 
-    def _alloc_stage(self, hkv: int, head_dim: int, dtype: torch.dtype,
-                     device: torch.device) -> None:
-        self._dec_stage = torch.empty((2, self.num_layers, self.num_rows + 1, hkv, head_dim),
-                                      dtype=dtype, device=device)
-
     def decode_stage(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where a decode step's slot store copies the new K / V of `layer`, k [n, Hkv, D]
-        (and as much V): ([n, Hkv, D], [n, Hkv, D]) contiguous, for flush_decode_saves."""
-        if self._dec_stage is None:
-            self._alloc_stage(k.shape[1], k.shape[2], k.dtype, k.device)
-        n = k.shape[0]
-        return self._dec_stage[0, layer, :n], self._dec_stage[1, layer, :n]
+        """Where a decode step's slot store copies the new K / V of `layer` (k [n, Hkv, D]):
+        DecodeWriteThrough.stage; finish_decode writes them to DRAM."""
+        return self.write_through.stage(layer, k)
 
     def finish_decode(self, l0: int, l1: int, pages: torch.Tensor | None,
                       offsets: torch.Tensor | None) -> None:
         """After a decode step's layers [l0, l1): their residency indexes' rebuild-if-full in
         one set of launches (the fused retrieve left it out), and their staged decode rows
-        written through to DRAM (flush_decode_saves; pages None: nothing staged)."""
+        written through to DRAM (DecodeWriteThrough.flush; pages None: nothing staged)."""
         if self.fused:
             residency_hash.rebuild_if_full(self.res_table[l0:l1], self.page_of[l0:l1],
                                            self.res_fill[l0:l1], backend="triton")
         if pages is not None:
-            self.flush_decode_saves(l0, l1, pages, offsets)
-
-    def flush_decode_saves(self, l0: int, l1: int, pages: torch.Tensor,
-                           offsets: torch.Tensor) -> None:
-        """Write the staged decode rows of layers [l0, l1) through to their host pages in one
-        GPU-direct launch on the compute stream (after those layers, before any later load
-        of the pages): host[l][pages[b, h], offsets[b]] = stage[l][b, h]. pages [B, Hkv]
-        host ids (< 0: not saved), offsets [B] int."""
-        n, hkv = pages.shape
-        L = l1 - l0
-        stage_k = self._dec_stage[0, l0:l1, :n].reshape(L * n, hkv, -1)
-        stage_v = self._dec_stage[1, l0:l1, :n].reshape(L * n, hkv, -1)
-        hp1 = self._host.shape[2]                        # host pages + 1 per layer
-        base = torch.arange(l0, l1, device=pages.device).view(L, 1, 1) * hp1
-        ids = torch.where(pages >= 0, pages.long() + base, -1).view(L * n, hkv)
-        offs = offsets.long().repeat(L).view(-1, 1).expand(L * n, hkv)
-        host_k = self._host[0].view(-1, *self._host.shape[3:])   # [L * (P + 1), ps, D]
-        host_v = self._host[1].view(-1, *self._host.shape[3:])
-        if stage_k.is_cuda:
-            from sparseserve.transfer.gpu_direct import gpu_direct_save
-            gpu_direct_save(host_k, host_v, stage_k, stage_v, ids, offs)
-        else:
-            live = ids >= 0
-            host_k[ids[live], offs[live]] = stage_k[live]
-            host_v[ids[live], offs[live]] = stage_v[live]
+            self.write_through.flush(l0, l1, pages, offsets)
 
     # ---- retrieve -------------------------------------------------------------------------
     def retrieve(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor,
@@ -425,21 +393,14 @@ class TwoTierCache:
     # ---- introspection --------------------------------------------------------------------
     def stats(self, fresh: bool = True) -> dict[str, int]:
         """Counters. The device counters are read with one copy, not one per counter: the
-        server reads them after every step. ``fresh=False`` does not wait for the device: it
-        starts an asynchronous copy into pinned memory and returns what the last finished
-        copy read (a step or so late; the same values as fresh once the device is idle);
-        the first call, or any on CPU, reads them at once."""
+        server reads them after every step; fresh=False does not wait for the device
+        (LaggedCounters: a step or so late, exact once the device is idle)."""
         saved = self.saver.stats()
         dev = self.hit_miss.device
         parts = [self.hit_miss, self.prefill_hit_miss, self.direct_bytes_saved.view(1),
                  (self.page_of[:, :-1] >= 0).sum().view(1), self.loader.counter(dev)]
-        if fresh or dev.type != "cuda" or self._counters_seen is None:
-            values = torch.cat(parts).tolist()  # waits for the device: any copy in flight
-            # landed before, and is older: dropped, so later lagged reads never go back
-            self._counters_seen, self._counters_event = values, None
-        else:
-            values = self._lagged_counters(parts)
-        hits, misses, p_hits, p_misses, direct, resident, pages, nbytes = values
+        hits, misses, p_hits, p_misses, direct, resident, pages, nbytes = \
+            self.counters.read(parts, fresh)
         return {"cache_hits_total": hits, "cache_misses_total": misses,
                 "prefill_cache_hits_total": p_hits, "prefill_cache_misses_total": p_misses,
                 "bytes_loaded_total": nbytes, "bytes_saved_total": saved.bytes + direct,
@@ -447,21 +408,6 @@ class TwoTierCache:
                 # fences and free_pages, plus FlashD2H saves waiting for staging space
                 "save_wait_seconds_total": self.save_wait_s + getattr(self.saver,
                                                                        "ring_stall_s", 0.0)}
-
-    def _lagged_counters(self, parts: list[torch.Tensor]) -> list[int]:
-        """The counters of the last finished asynchronous copy; a new copy starts when the
-        previous one has landed (the pinned buffer is never overwritten while unread)."""
-        ev = self._counters_event
-        if ev is None or ev.query():
-            if ev is not None:
-                self._counters_seen = self._counters_pinned.tolist()
-            cur = torch.cat(parts)
-            if self._counters_pinned is None:
-                self._counters_pinned = torch.empty(cur.shape, dtype=cur.dtype, pin_memory=True)
-            self._counters_pinned.copy_(cur, non_blocking=True)
-            self._counters_event = torch.cuda.Event()
-            self._counters_event.record()
-        return self._counters_seen
 
     def check_invariants(self) -> None:
         """The residency index and the reverse map agree (tests; reads the device): every
