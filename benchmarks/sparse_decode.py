@@ -51,6 +51,13 @@ Combos that do not fit in free memory, or past ``--budget-s`` (270 s), are skipp
         --algorithms arkvale,keycode2,keycode2-sl,keycode2-sl2 --budget-s 120  # the shortlist
     python benchmarks/sparse_decode.py --out DIR --contexts 131072 --batches 16 \
         --algorithms keycode2-sparq,keycode2-c4,keycode2 --budget-s 200  # runtime channels
+    python benchmarks/sparse_decode.py --out DIR --contexts 131072 --batches 16 --no-graph \
+        --algorithms keycode2-sparq,keycode2-sparq@decode_asm=0,keycode2-sparq@score_kernel=1
+
+``--algorithms`` takes variants ``name@attr=value+attr=value`` (class attributes of the
+algorithm overridden; variants of one algorithm share its summaries): above, keycode2-sparq's
+score phase ``kernels/sparq_tiles.py`` with and without its bf16x2 decode, and its first
+version ``sparq_codes.sparq_page_x``.
     python benchmarks/sparse_decode.py --smoke --out DIR  # CPU, Triton interpreter
 
 Writes DIR/sparse_decode.json (rows, command, GPU, versions, date) and DIR/sparse_decode.png;

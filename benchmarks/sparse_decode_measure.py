@@ -32,15 +32,34 @@ def build_pool(torch, s, device, dtype, ctx, bmax, names):
     ntok = torch.full((P,), ps, dtype=torch.int32, device=device)
     ntok[table[:, :, -1].reshape(-1).long()] = last
     ids = torch.arange(P, dtype=torch.int32, device=device)
-    algs = {}
+    algs, built = {}, {}
     for name in names:
-        alg = get_algorithm_class(name)(ps, s["token_budget"] // ps, s["sink_pages"],
+        base, variant = parse_variant(name)
+        alg = get_algorithm_class(base)(ps, s["token_budget"] // ps, s["sink_pages"],
                                         s["local_pages"])
-        summ = alg.make_summaries(P + 1, d, dtype, device)
-        for i in range(0, P, INDEX_CHUNK):
-            alg.index(k, ids[i:i + INDEX_CHUNK], ntok[i:i + INDEX_CHUNK], summ, None)
-        algs[name] = (alg, summ)
+        for key, val in variant.items():  # e.g. keycode2-sparq@score_kernel=1+decode_asm=0
+            if not hasattr(alg, key):
+                raise ValueError(f"{name}: {base} has no attribute {key!r}")
+            setattr(alg, key, val)
+        if base not in built:  # variants of one algorithm share its summaries
+            summ = alg.make_summaries(P + 1, d, dtype, device)
+            for i in range(0, P, INDEX_CHUNK):
+                alg.index(k, ids[i:i + INDEX_CHUNK], ntok[i:i + INDEX_CHUNK], summ, None)
+            built[base] = summ
+        algs[name] = (alg, built[base])
     return dict(k=k, v=v, table=table, n=n, last=last, algs=algs)
+
+
+def parse_variant(name):
+    """``alg@key=value+key=value`` -> (alg, {key: value}): a variant of a registered algorithm
+    with class attributes overridden (ints where they parse: ``keycode2-sparq@score_kernel=1``
+    times sparq_codes' score phase, ``@decode_asm=0`` sparq_tiles without the bf16x2 decode)."""
+    base, _, rest = name.partition("@")
+    out = {}
+    for item in filter(None, rest.split("+")):
+        key, _, val = item.partition("=")
+        out[key] = int(val) if val.lstrip("-").isdigit() else val
+    return base, out
 
 
 def measure_combo(torch, bench, s, pool, ctx, batch, copy_bw, backend, graphs):

@@ -142,7 +142,7 @@ def head_bounds(q, kmin, kmax, page_table, num_pages, *, backend=None, n_sub=1):
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
                  local_pages, out_pages=None, out_num=None, out_blocks=None, *, backend=None,
                  num_splits=None, n_sub=1, codes=None, bits=0, kmean=None, chan=None,
-                 kscale=None, sparq_chan=None):
+                 kscale=None, sparq_chan=None, sparq_kernel=None, sparq_asm=None):
     """Fused Quest/ArkVale selection (score + kept pages + top-k); see
     ``page_select.select_pages``.
 
@@ -155,7 +155,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     ``kmean``, ``chan``, ``kscale`` with ``codes``: channel key codes score them
     (``ref.channel_code_page_bounds``; kmin / kmax are the coded channels' ranges).
     ``sparq_chan`` [B, Hkv, R] with ``codes`` (channel-major), ``kmean``, ``kscale``: each row
-    decodes its R channels of every page (``ref.sparq_page_bounds``; kmin / kmax [S, D]).
+    decodes its R channels of every page (``ref.sparq_page_bounds``; kmin / kmax [S, D]);
+    ``sparq_kernel`` / ``sparq_asm`` (Triton only) pick its score phase's version.
     """
     cc = dict(kmean=kmean, chan=chan, kscale=kscale, sparq_chan=sparq_chan)
     if chan is not None and not channel_codes_supported(kmin.shape[-1], q.shape[-1]):
@@ -170,7 +171,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     from .page_select import select_pages as _triton
     return _triton(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages,
                    sink_pages, local_pages, out_pages, out_num, out_blocks, num_splits=num_splits,
-                   n_sub=n_sub, codes=codes, bits=bits, **cc)
+                   n_sub=n_sub, codes=codes, bits=bits, sparq_kernel=sparq_kernel,
+                   sparq_asm=sparq_asm, **cc)
 
 
 def code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits, out=None, *,

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from . import channel_codes_supported as supported
 from . import patch_triton_interpreter
+from .sparq_tiles import log2_fast
 
 patch_triton_interpreter()
 
@@ -36,7 +37,8 @@ def chan_code_page_x(mean_ptr, lo_ptr, hi_ptr, chan_ptr, codes_ptr, kscale_ptr, 
                      stride_lo, stride_hi, stride_chan, stride_codes, q_row, stride_qh, qt, page,
                      ok, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
                      PS: tl.constexpr, R: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                     INT8_MEAN: tl.constexpr, DOT_PREC: tl.constexpr):
+                     INT8_MEAN: tl.constexpr, DOT_PREC: tl.constexpr,
+                     FAST: tl.constexpr = False):
     """[BLOCK_W, GP] fp32: per head g, log2-sum-exp2 over each page's tokens of
     ``qk_scale * q_g . k^_t`` (``qk_scale`` = scale * log2 e) for the pages ``page`` [BLOCK_W]
     (int64; rows where ``ok`` is False read nothing). ``qt`` [BLOCK_D, GP]: the group's queries
@@ -76,7 +78,7 @@ def chan_code_page_x(mean_ptr, lo_ptr, hi_ptr, chan_ptr, codes_ptr, kscale_ptr, 
     xt = tl.dot(dev.to(qt.dtype), qc, input_precision=DOT_PREC)           # [BLOCK_W, PS, GP]
     x3 = (xt + base[:, None, :]) * qk_scale
     mx = tl.max(x3, axis=1)
-    return mx + tl.log2(tl.sum(tl.exp2(x3 - mx[:, None, :]), axis=1))
+    return mx + log2_fast(tl.sum(tl.exp2(x3 - mx[:, None, :]), axis=1), FAST)
 
 
 @triton.jit

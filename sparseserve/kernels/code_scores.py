@@ -17,10 +17,11 @@ import triton
 import triton.language as tl
 
 from . import patch_triton_interpreter
+from .sparq_tiles import log2_fast
 
 patch_triton_interpreter()
 
-__all__ = ["code_page_bounds", "decode_page_keys"]
+__all__ = ["code_page_bounds", "decode_page_keys", "code_page_x"]
 
 LOG2E = 1.4426950408889634
 
@@ -77,6 +78,27 @@ def decode_page_keys(kmin_ptr, kmax_ptr, codes_ptr, stride_min, stride_max, stri
         else:
             lev = (code.to(tl.float32) + 0.5) * (1.0 / (1 << BITS))
         return lo + (hi - lo) * lev
+
+
+@triton.jit
+def code_page_x(kmin_ptr, kmax_ptr, codes_ptr, stride_min, stride_max, stride_codes, pt_row,
+                w0, n, qt, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_W: tl.constexpr, PS: tl.constexpr, BITS: tl.constexpr,
+                GP: tl.constexpr, DOT_PREC: tl.constexpr, FAST: tl.constexpr = False):
+    """[BLOCK_W, GP] per head: log2-sum-exp2 over each full page's tokens of the scaled
+    approximate logits (key codes, ``ref.code_page_bounds`` times scale * log2 e): the score
+    phase of ``page_select.select_pages(..., codes=, bits=)``, pages ``w0 ..`` of a row."""
+    offs_w = w0 + tl.arange(0, BLOCK_W)
+    ok = offs_w < n - 1  # full pages
+    page = tl.load(pt_row + offs_w, mask=ok, other=0).to(tl.int64)
+    kh = decode_page_keys(kmin_ptr, kmax_ptr, codes_ptr, stride_min, stride_max, stride_codes,
+                          page, ok, D, BLOCK_D, BLOCK_W, PS, BITS)          # [T, BLOCK_D]
+    # the dot in the summary dtype (tensor cores for 16-bit KV; exact IEEE for fp32): the
+    # rounding of a decoded 2-bit key to bf16 is far below its quantisation error
+    xt = tl.dot(kh.to(qt.dtype), qt, input_precision=DOT_PREC) * qk_scale   # [T, GP] fp32
+    x3 = tl.reshape(xt, (BLOCK_W, PS, GP))
+    mx = tl.max(x3, axis=1)
+    return mx + log2_fast(tl.sum(tl.exp2(x3 - mx[:, None, :]), axis=1), FAST)
 
 
 @triton.jit

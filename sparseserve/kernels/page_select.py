@@ -1,19 +1,16 @@
-"""Fused page selection for the summary-box algorithms (Quest, ArkVale): mass scores + kept
-pages + top-k + compaction in Triton, replacing ``SparseAlgorithm.select``'s score kernel, ~30
-torch ops and ``torch.topk`` (the measured bottleneck of sparse decode).
-
-One (request, KV head) row at a time; ``ref.select_pages`` / ``ref.mass_from_bounds`` are the
-spec:
+"""Fused page selection by estimated attention mass: scores + kept pages + top-k + compaction
+in Triton, replacing ``SparseAlgorithm.select``'s score kernel, ~30 torch ops and ``torch.topk``
+(the measured bottleneck of sparse decode). One (request, KV head) row at a time;
+``ref.select_pages`` / ``ref.mass_from_bounds`` are the spec:
 
 1. Bounds. Per query head g of the GQA group, ``u_g = sum_c max(q_gc M_c, q_gc m_c)
    = q_g+ . M + q_g- . m`` (equal whenever ``M >= m``: a min/max box and ArkVale's ``c -/+ r``
-   box). The group's bounds of a ``[BLOCK_W, D]`` summary tile are two ``tl.dot``s against the
-   ``[D, GP]`` matrices of the heads' positive and negative parts (GP = G padded to 16 for the
-   dot; operands in the summary dtype, where q+ / q- are exact, products exact, fp32
-   accumulation; IEEE for fp32 summaries, not TF32): memory-bound like a single sum, where
-   per-head elementwise FMAs would cost G times the raw sum's arithmetic. Every full page is
-   bounded (the kept ones too: they enter the normalisation); the partial last page, whose
-   summary is not built yet, is not read.
+   box): two ``tl.dot``s of a ``[BLOCK_W, D]`` summary tile against the ``[D, GP]`` positive
+   and negative parts of the heads (GP = G padded to 16; operands in the summary dtype, where
+   q+ / q- are exact, fp32 accumulation; IEEE for fp32 summaries). Key-code algorithms put
+   the log-sum-exp of a page's approximate token logits here instead (``code_scores``,
+   ``channel_codes``, ``sparq_tiles``; GP = G padded to 4). Every full page is scored (kept
+   ones too: they normalise); the partial last page, whose summary is not built yet, is not.
 2. Normalisation. ``x_g = u_g * D**-0.5 * log2(e)`` is written to a ``[G, W]`` fp32 scratch row
    while an online max / sum-of-exp2 per head runs over the full pages (as flash attention
    does), giving ``lse_g``. Split mode keeps one partial (max, sum) per split program and the
@@ -44,8 +41,9 @@ import triton.language as tl
 
 from . import patch_triton_interpreter
 from .channel_codes import chan_code_page_x
-from .code_scores import decode_page_keys
+from .code_scores import code_page_x
 from .sparq_codes import sparq_page_x
+from .sparq_tiles import MAGIC_F32, SPARQ_ASM, SPARQ_KERNEL, TILE_PAGES, sparq_score_tiles
 
 patch_triton_interpreter()
 
@@ -82,26 +80,6 @@ def _row_keys(s_row, stride_sg, offs, n, sink, local, lse, G: tl.constexpr, GP: 
 
 
 @triton.jit
-def _code_page_x(kmin_ptr, kmax_ptr, codes_ptr, stride_min, stride_max, stride_codes, pt_row,
-                 w0, n, qt, qk_scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_W: tl.constexpr, PS: tl.constexpr, BITS: tl.constexpr,
-                 GP: tl.constexpr, DOT_PREC: tl.constexpr):
-    """[BLOCK_W, GP] per head: log2-sum-exp2 over each full page's tokens of the scaled
-    approximate logits (key codes, ``ref.code_page_bounds`` times scale * log2 e)."""
-    offs_w = w0 + tl.arange(0, BLOCK_W)
-    ok = offs_w < n - 1  # full pages
-    page = tl.load(pt_row + offs_w, mask=ok, other=0).to(tl.int64)
-    kh = decode_page_keys(kmin_ptr, kmax_ptr, codes_ptr, stride_min, stride_max, stride_codes,
-                          page, ok, D, BLOCK_D, BLOCK_W, PS, BITS)          # [T, BLOCK_D]
-    # the dot in the summary dtype (tensor cores for 16-bit KV; exact IEEE for fp32): the
-    # rounding of a decoded 2-bit key to bf16 is far below its quantisation error
-    xt = tl.dot(kh.to(qt.dtype), qt, input_precision=DOT_PREC) * qk_scale   # [T, GP] fp32
-    x3 = tl.reshape(xt, (BLOCK_W, PS, GP))
-    mx = tl.max(x3, axis=1)
-    return mx + tl.log2(tl.sum(tl.exp2(x3 - mx[:, None, :]), axis=1))
-
-
-@triton.jit
 def _page_select_kernel(
     q_ptr, kmin_ptr, kmax_ptr, codes_ptr, mean_ptr, chan_ptr, kscale_ptr, pt_ptr, np_ptr, s_ptr,
     ml_ptr, key_ptr, pages_ptr, blocks_ptr, nsel_ptr,
@@ -109,13 +87,13 @@ def _page_select_kernel(
     stride_ptb, stride_pth, stride_npb,
     stride_sb, stride_sh, stride_sg, stride_mlb, stride_mlh,
     stride_kb, stride_kh, stride_pb, stride_ph, stride_bb, stride_bh, stride_nb,
-    W, k_top, k_out, sink, local, chunks_per_split, num_splits, qk_scale,
+    W, k_top, k_out, sink, local, chunks_per_split, num_splits, qk_scale, magic,
     NSUB: tl.constexpr, BITS: tl.constexpr, PS: tl.constexpr, R: tl.constexpr,
     INT8_MEAN: tl.constexpr, SPARQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
     D: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, TILE: tl.constexpr, ONE_TILE: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, DO_SCORE: tl.constexpr,
-    DO_SELECT: tl.constexpr,
+    DO_SELECT: tl.constexpr, NW: tl.constexpr, ASM: tl.constexpr, FAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -127,6 +105,15 @@ def _page_select_kernel(
     key_row = key_ptr + b64 * stride_kb + h * stride_kh
     offs_g = tl.arange(0, GP)
     if DO_SCORE:
+        c0 = tl.program_id(2) * chunks_per_split
+        c1 = tl.minimum(c0 + chunks_per_split, tl.cdiv(W, BLOCK_W))
+    if DO_SCORE and SPARQ == 2:  # sparq_tiles: the row's R channels, tensor-core layout
+        m_run, l_run = sparq_score_tiles(
+            q_ptr + b64 * stride_qb + h * G * stride_qh, stride_qh, mean_ptr, kmin_ptr, kmax_ptr,
+            codes_ptr, kscale_ptr, chan_ptr + b64 * stride_chan + h * R, stride_mean,
+            stride_min, stride_max, stride_codes, pt_row, s_row, stride_sg, n, c0, c1, qk_scale,
+            magic, G, GP, D, BLOCK_D, PS, R, BLOCK_W, 16, NW, ASM, FAST, DOT_PREC)
+    elif DO_SCORE:
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
         # [BLOCK_D, GP]: column g = query head h * G + g (zero columns pad the group to GP)
@@ -139,8 +126,6 @@ def _page_select_kernel(
         qn = tl.where(qt < zero, qt, zero)
         m_run = tl.full([GP], -1e30, tl.float32)  # finite: no inf - inf before a page is seen
         l_run = tl.zeros([GP], tl.float32)
-        c0 = tl.program_id(2) * chunks_per_split
-        c1 = tl.minimum(c0 + chunks_per_split, tl.cdiv(W, BLOCK_W))
         for c in range(c0, c1):
             offs_w = c * BLOCK_W + tl.arange(0, BLOCK_W)
             need = offs_w < n - 1  # full pages, kept ones included (they normalise too)
@@ -158,7 +143,7 @@ def _page_select_kernel(
                                      stride_chan, stride_codes,
                                      q_ptr + b64 * stride_qb + h * G * stride_qh, stride_qh, qt,
                                      page, need, qk_scale, D, BLOCK_D, BLOCK_W, PS, R, G, GP,
-                                     INT8_MEAN, DOT_PREC)
+                                     INT8_MEAN, DOT_PREC, FAST)
             elif BITS == 0:
                 u = tl.full([BLOCK_W, GP], float("-inf"), tl.float32)
                 # a page row holds NSUB boxes of D channels: the page's bound is their max
@@ -172,19 +157,19 @@ def _page_select_kernel(
                     u = tl.maximum(u, uj)
                 x = u * qk_scale
             else:  # token key codes: x = log2-sum-exp2 of the page's approximate logits
-                x = _code_page_x(kmin_ptr, kmax_ptr, codes_ptr, stride_min, stride_max,
-                                 stride_codes, pt_row, c * BLOCK_W, n, qt, qk_scale, D,
-                                 BLOCK_D, BLOCK_W, PS, BITS, GP, DOT_PREC)
+                x = code_page_x(kmin_ptr, kmax_ptr, codes_ptr, stride_min, stride_max,
+                                stride_codes, pt_row, c * BLOCK_W, n, qt, qk_scale, D,
+                                BLOCK_D, BLOCK_W, PS, BITS, GP, DOT_PREC, FAST)
             tl.store(s_row + offs_g[None, :] * stride_sg + offs_w[:, None], x,
                      mask=need[:, None] & (offs_g[None, :] < G))
             xm = tl.where(need[:, None], x, float("-inf"))
             m_new = tl.maximum(m_run, tl.max(xm, axis=0))
             l_run = l_run * tl.exp2(m_run - m_new) + tl.sum(tl.exp2(xm - m_new[None, :]), axis=0)
             m_run = m_new
-        if not DO_SELECT:
-            ml = ml_row + tl.program_id(2) * (2 * GP) + offs_g
-            tl.store(ml, m_run)
-            tl.store(ml + GP, l_run)
+    if DO_SCORE and not DO_SELECT:
+        ml = ml_row + tl.program_id(2) * (2 * GP) + offs_g
+        tl.store(ml, m_run)
+        tl.store(ml + GP, l_run)
     if DO_SELECT:
         if DO_SCORE:
             # other threads of this program wrote the scratch row: order their stores before
@@ -279,7 +264,8 @@ def _default_splits(q, rows: int, chunks: int) -> int:
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
                  local_pages, out_pages=None, out_num=None, out_blocks=None, *, num_splits=None,
                  block_w=None, num_warps=None, n_sub=1, codes=None, bits=0, kmean=None,
-                 chan=None, kscale=None, sparq_chan=None):
+                 chan=None, kscale=None, sparq_chan=None, sparq_kernel=None, sparq_asm=None,
+                 scores_out=None):
     """Fused Quest/ArkVale page selection by estimated attention mass
 (``SparseAlgorithm.select``'s contract over ``Quest.score``; spec: ``ref.select_pages``).
 
@@ -307,6 +293,10 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         sparq_chan:    [B, Hkv, R] int32 with kmean / kscale / codes (channel-major, bits 2)
                        and kmin / kmax [S, D]: each row decodes its R channels
                        (``sparse/keycode_sparq.py``; scores as ``ref.sparq_page_bounds``)
+        sparq_kernel, sparq_asm: its score phase (2: ``sparq_tiles``, 1: ``sparq_codes``)
+                       and bf16x2 decoding in it (default: ``sparq_tiles.SPARQ_*``, by env)
+        scores_out:    [B, Hkv, G, W] fp32 for the per-head scores (``x_g`` above; written
+                       for the full pages), else scratch
     Returns:
         pages [B, Hkv, K] int32 physical ids, num_sel [B, Hkv] int32, blocks [B, Hkv, K] int64
         logical indices, K = max(1, min(budget - 1, W)) + 1 (= budget when W >= budget - 1).
@@ -314,9 +304,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         and the others of highest mass (ties: lower block first), in block order, then the last
         page at num_sel - 1 (num_sel = min(K, num_pages)); entries past it repeat the last page.
 
-    Scratch (allocated here, fixed shapes): per-head scaled bounds [B, Hkv, G, W] fp32, split
-    partials [B, Hkv, splits, 2 * GP] fp32, and the key row [B, Hkv, W] int32 when W exceeds
-    ``MAX_TILE`` (else the keys stay in registers).
+    Scratch (fixed shapes): the scores, split partials [B, Hkv, splits, 2 * GP] fp32, and
+    the key row [B, Hkv, W] int32 when W exceeds ``MAX_TILE`` (else keys stay in registers).
     """
     B, Hq, D = q.shape
     _, Hkv, W = page_table.shape
@@ -365,11 +354,16 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     assert out_pages.stride(2) == 1 and out_blocks.stride(2) == 1 and out_num.stride(1) == 1
     if B == 0:
         return out_pages, out_num, out_blocks
-    G = Hq // Hkv
-    GP = max(16, triton.next_power_of_2(G))  # tl.dot needs >= 16 columns
+    G = Hq // Hkv  # GP: the dots' N (key codes: per-token work scales with it, 4 is enough)
+    GP = max(4 if bits else 16, triton.next_power_of_2(G))
     num_splits, block_w, num_warps = (num_splits or NUM_SPLITS, block_w or BLOCK_W,
                                       num_warps or NUM_WARPS)
     BLOCK_D = max(16, triton.next_power_of_2(D))
+    version = (SPARQ_KERNEL if sparq_kernel is None else sparq_kernel) if sparq else 0
+    if version == 2 and (kscale is None or ps // 16 not in (1, 2, 4)):
+        version = 1  # sparq_tiles: int8 means, 16 to 64 tokens a page
+    if version == 2:  # chunks of TILE_PAGES pages (a multiple of 16: sub-tiles of 16)
+        block_w = block_w if block_w and block_w % 16 == 0 else TILE_PAGES
     block_w = block_w or (16 if R else max(1, min(16, 8192 // (ps * BLOCK_D))) if bits
                           else max(16, min(64, 8192 // BLOCK_D)))
     TILE = max(16, min(MAX_TILE, triton.next_power_of_2(W)))
@@ -378,7 +372,9 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     splits = max(1, min(splits, chunks))
     cps = triton.cdiv(chunks, splits)
     splits = triton.cdiv(chunks, cps)
-    xs = torch.empty(B, Hkv, G, W, dtype=torch.float32, device=dev)  # scaled per-head bounds
+    xs = torch.empty(B, Hkv, G, W, dtype=torch.float32, device=dev) if scores_out is None \
+        else scores_out  # scaled per-head bounds (log2 units)
+    assert xs.shape == (B, Hkv, G, W) and xs.dtype == torch.float32 and xs.stride(3) == 1
     ml = torch.empty(B, Hkv, splits, 2 * GP, dtype=torch.float32, device=dev)  # split partials
     keys = torch.empty(B, Hkv, W if TILE < W else 1, dtype=torch.int32, device=dev)
     sel_warps = num_warps or (4 if TILE <= 1024 else 8 if TILE <= 4096 else 16)
@@ -393,20 +389,23 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
             ml.stride(0), ml.stride(1), keys.stride(0), keys.stride(1),
             out_pages.stride(0), out_pages.stride(1), out_blocks.stride(0), out_blocks.stride(1),
             out_num.stride(0), W, k_top, k_out, sink_pages, local_pages, cps, splits,
-            D ** -0.5 * LOG2E)
-    meta = dict(NSUB=n_sub, BITS=bits, PS=ps, R=R, INT8_MEAN=kscale is not None, SPARQ=sparq,
+            D ** -0.5 * LOG2E, MAGIC_F32)
+    asm = (SPARQ_ASM if sparq_asm is None else sparq_asm) and q.is_cuda and ps == 32 \
+        and kmax.dtype == torch.bfloat16
+    meta = dict(NSUB=n_sub, BITS=bits, PS=ps, R=R, INT8_MEAN=kscale is not None, SPARQ=version,
                 G=G, GP=GP, D=D, BLOCK_W=block_w, BLOCK_D=BLOCK_D,
                 BLOCK_S=triton.next_power_of_2(splits), TILE=TILE, ONE_TILE=TILE >= W,
                 BLOCK_K=triton.next_power_of_2(k_out),
                 # fp32 summaries: exact products (no TF32); 16-bit operands multiply exactly
                 # on the tensor cores whatever the setting
-                DOT_PREC="ieee" if kmax.dtype == torch.float32 else "tf32")
+                DOT_PREC="ieee" if kmax.dtype == torch.float32 else "tf32",
+                ASM=bool(asm), FAST=q.is_cuda)  # FAST: lg2.approx (not in the interpreter)
     if splits == 1:
         _page_select_kernel[(B, Hkv, 1)](*args, **meta, DO_SCORE=True, DO_SELECT=True,
-                                         num_warps=sel_warps)
+                                         NW=sel_warps, num_warps=sel_warps)
     else:
         _page_select_kernel[(B, Hkv, splits)](*args, **meta, DO_SCORE=True, DO_SELECT=False,
-                                              num_warps=num_warps or 4)
+                                              NW=num_warps or 4, num_warps=num_warps or 4)
         _page_select_kernel[(B, Hkv, 1)](*args, **meta, DO_SCORE=False, DO_SELECT=True,
-                                         num_warps=sel_warps)
+                                         NW=sel_warps, num_warps=sel_warps)
     return out_pages, out_num, out_blocks

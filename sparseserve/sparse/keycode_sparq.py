@@ -44,9 +44,14 @@ sector) would cut that to ~550 / ~640 B; not done: the H200 timing decides first
 
 ``select`` is two launches: ``kernels.sparq_channels`` (the channel choice; on CPU its torch
 reference recomputes the width sums instead of caching them) and the fused
-``kernels.select_pages(..., sparq_chan=)`` (score phase ``sparq_codes.sparq_page_x``: one
-dense R-channel ``tl.dot`` per tile of pages plus the ``q . mean`` dot, then the page mass,
-threshold and compaction shared with the other algorithms). ``score`` (the generic path,
+``kernels.select_pages(..., sparq_chan=)``, whose score phase is ``kernels/sparq_tiles.py``
+(the page terms ``q . mean`` + ``q[R] . (lo + step / 2 - mean[R])`` as dots over 64 pages,
+then per 16 pages one ``[256 tokens, 2 R] x [2 R, 2 GP]`` dot of the decoded codes laid out
+so that each page's tokens stay in one warp; then the page mass, threshold and compaction
+shared with the other algorithms). Its first version, ``sparq_codes.sparq_page_x``, measured
+1.5 ms per layer at 128k x 16 on the H200 (0.8x dense), arithmetic-bound; ``score_kernel`` /
+``decode_asm`` (class attributes, None: the ``SPARSESERVE_SPARQ_KERNEL`` / ``_ASM`` defaults)
+pick the version and the bf16x2 decode for comparisons. ``score`` (the generic path,
 ``SPARSESERVE_FUSED_SELECT=0``) uses ``kernels.sparq_page_bounds``. Fixed shapes, no host
 synchronisation. Needs page_size a multiple of 16; the Triton score kernels need R >= 16 (a
 power of two) and run the reference otherwise.
@@ -76,6 +81,8 @@ class KeyCodeSparQ(SparseAlgorithm):
     bits = 2
     channels = 16  # R (at most head_dim)
     fused_select = os.environ.get("SPARSESERVE_FUSED_SELECT", "1") not in ("0", "")
+    score_kernel = None  # the fused select's score phase: 2 sparq_tiles, 1 sparq_codes (None: env)
+    decode_asm = None    # sparq_tiles' bf16x2 decode on the GPU (None: env)
     from_token_logits = KeyCodes.from_token_logits
 
     def decoded_channels(self, head_dim: int) -> int:
@@ -167,7 +174,8 @@ class KeyCodeSparQ(SparseAlgorithm):
         return select_pages(q, summaries["kmin"], summaries["kmax"], page_table, num_pages,
                             last_page_len, self.budget_pages, self.sink_pages, self.local_pages,
                             backend=backend, codes=summaries["codes"], bits=2,
-                            kmean=summaries["kmean"], kscale=summaries["kscale"], sparq_chan=ch)
+                            kmean=summaries["kmean"], kscale=summaries["kscale"], sparq_chan=ch,
+                            sparq_kernel=self.score_kernel, sparq_asm=self.decode_asm)
 
     def select_bytes_per_page(self, head_dim: int, element_size: int,
                               sectors: bool = False) -> float:

@@ -209,10 +209,13 @@ def test_smoke_keycode_sparq(tmp_path):
     """keycode2-sparq is selectable: its channel choice + fused select run in the interpreter
     (the fused-path timing calls its own kernels), select what the generic path selects, and
     are charged the int8 mean and the chosen channels' box and codes of every page (R = D = 16
-    here) plus one width-sum row, with the 32-byte sectors reported beside it."""
+    here) plus one width-sum row, with the 32-byte sectors reported beside it. A variant
+    (``@score_kernel=1``: the first version of its score phase) runs beside it on the same
+    summaries and selects the same pages."""
     proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(tmp_path),
                            "--contexts", "512", "--batches", "1", "--no-graph",
-                           "--algorithms", "keycode2-sparq"], cwd=ROOT,
+                           "--algorithms", "keycode2-sparq,keycode2-sparq@score_kernel=1"],
+                          cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "sparse_decode.json") as f:
@@ -226,3 +229,6 @@ def test_smoke_keycode_sparq(tmp_path):
     per_page = d + 4 + d * (2 * 4 + s["page_size"] // 4)  # fp32 box entries, 2-bit codes
     assert x["select_bytes"] == hkv * (n * per_page + d * 4) + hkv * n * 4
     assert x["select_sector_bytes"] >= x["select_bytes"] and _positive(x["fused_us"])
+    v = {x["algorithm"]: x for x in r["rows"]}["keycode2-sparq@score_kernel=1"]
+    assert v["checks"]["ok"] and v["checks"]["fused_set_mismatch_frac"] == 0.0
+    assert v["select_bytes"] == x["select_bytes"] and _positive(v["fused_us"])

@@ -181,3 +181,36 @@ def test_fused_select_with_sparq_matches_reference(Hq, Hkv, D):
         for h in range(Hkv):
             m = int(plain.num_pages[b, h])
             assert set(fused.blocks[b, h, :m].tolist()) == set(plain.blocks[b, h, :m].tolist())
+
+
+@pytest.mark.parametrize("ps", [16, 32, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", [2, 1])
+def test_fused_select_scores_match_reference(kernel, dtype, ps):
+    """The score phase of the fused select (``sparq_tiles`` = 2, the default, and the first
+    version ``sparq_codes.sparq_page_x`` = 1), through ``scores_out``: every full page's
+    per-head score == ``ref.sparq_page_bounds`` in log2 units, split and fused launches, page
+    16 / 32 / 64 (1, 2, 4 code words a channel), fp32 and bf16 summaries (on CUDA, bf16 at
+    page 32 runs the bf16x2 decode of ``sparq_tiles``; GQA 4, as Llama-3-8B)."""
+    from sparseserve.kernels.page_select import select_pages
+    gen = torch.Generator().manual_seed(ps + kernel)
+    Hq, Hkv, D = 8, 2, 64
+    _, summ, q, table, num, ch = _case([1, 17, 54, 97, 130], Hq, Hkv, D, ps, gen, dtype)
+    table = torch.where(table >= summ["kmean"].shape[0] - 1, 0, table)
+    want = ref.sparq_page_bounds(q, summ["kmean"], summ["kscale"], summ["kmin"], summ["kmax"],
+                                 summ["codes"], ch, table, num) * (D ** -0.5 * 1.4426950408889634)
+    B, _, W = table.shape
+    full = torch.arange(W).view(1, 1, 1, W) < (num - 1).view(B, Hkv, 1, 1)
+    full = full.expand(B, Hkv, Hq // Hkv, W)
+    cc = dict(codes=to_dev(summ["codes"]), bits=2, kmean=to_dev(summ["kmean"]),
+              kscale=to_dev(summ["kscale"]), sparq_chan=to_dev(ch), sparq_kernel=kernel)
+    box = to_dev(q, summ["kmin"], summ["kmax"], table, num)
+    for splits in (1, 3):
+        xs = torch.full((B, Hkv, Hq // Hkv, W), float("nan"), device=DEVICE)
+        select_pages(*box, None, 8, 1, 2, num_splits=splits, scores_out=xs, **cc)
+        got = xs.cpu()[full]
+        assert torch.isfinite(got).all()
+        if dtype == torch.float32:
+            close(got, want[full], rtol=1e-4, atol=1e-3)
+        else:  # decoded deviations, means and queries rounded to bf16 for the dots
+            close(got, want[full], dtype, rtol=2e-2, atol=5e-2)
