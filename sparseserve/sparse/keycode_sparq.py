@@ -83,6 +83,7 @@ class KeyCodeSparQ(SparseAlgorithm):
     fused_select = os.environ.get("SPARSESERVE_FUSED_SELECT", "1") not in ("0", "")
     score_kernel = None  # the fused select's score phase: 2 sparq_tiles, 1 sparq_codes (None: env)
     decode_asm = None    # sparq_tiles' bf16x2 decode on the GPU (None: env)
+    select_splits = None  # score programs per row (None: select_pages' heuristic / env)
     from_token_logits = KeyCodes.from_token_logits
 
     def decoded_channels(self, head_dim: int) -> int:
@@ -173,7 +174,8 @@ class KeyCodeSparQ(SparseAlgorithm):
                             backend=backend)
         return select_pages(q, summaries["kmin"], summaries["kmax"], page_table, num_pages,
                             last_page_len, self.budget_pages, self.sink_pages, self.local_pages,
-                            backend=backend, codes=summaries["codes"], bits=2,
+                            backend=backend, num_splits=self.select_splits,
+                            codes=summaries["codes"], bits=2,
                             kmean=summaries["kmean"], kscale=summaries["kscale"], sparq_chan=ch,
                             sparq_kernel=self.score_kernel, sparq_asm=self.decode_asm)
 
