@@ -194,7 +194,8 @@ def sparq_score_tiles(q_row, stride_qh, mean_ptr, lo_ptr, hi_ptr, codes_ptr, ksc
                     dev = _word_pair_dev_bf16(w0, w1, lo3, hi3, K, NW, R)
                 else:
                     kk = ((hi3.to(tl.float32) - lo3.to(tl.float32)) * 2097152.0)[:, :, None, :]
-                    dev = tl.join(_word_dev(w0, kk, magic, DT, FAST), _word_dev(w1, kk, magic, DT, FAST))
+                    dev = tl.join(_word_dev(w0, kk, magic, DT, FAST),
+                                  _word_dev(w1, kk, magic, DT, FAST))
                 a = tl.reshape(dev, (SUB * 16, R * 2))
             else:
                 kk = ((hi3.to(tl.float32) - lo3.to(tl.float32)) * 2097152.0)[:, :, None, :]
