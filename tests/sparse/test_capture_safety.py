@@ -27,6 +27,7 @@ import torch
 
 import sparseserve.kernels as kernels
 from sparseserve.sparse import available_algorithms, get_algorithm_class
+from tests.conftest import DEVICE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALGOS = [a for a in available_algorithms() if a != "dense"]
@@ -107,6 +108,11 @@ def _run(algo, traffic, dtype=torch.float32):
     queries = torch.randn(ids.numel(), G, D).to(dtype)
     q = torch.randn(B, hkv * G, D).to(dtype)
     extra = {"v_cache": v_cache} if a.uses_values else {}
+    dev = lambda t: t.to(DEVICE)  # noqa: E731 - compiled kernels on a GPU, interpreted here
+    k_cache, v_cache, page_table, n_pages, last_len, ids, ntok, queries, q = map(
+        dev, (k_cache, v_cache, page_table, n_pages, last_len, ids, ntok, queries, q))
+    summaries.tensors = {name: dev(t) for name, t in summaries.tensors.items()}
+    extra = {"v_cache": v_cache} if a.uses_values else {}
     traffic.active = True
     try:
         a.index(k_cache, ids, ntok, summaries, queries if a.uses_queries else None, **extra)
@@ -121,7 +127,8 @@ def _run(algo, traffic, dtype=torch.float32):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("algo", ALGOS)
 def test_index_and_select_make_no_host_copy_nor_sync(algo, backend, monkeypatch):
-    """``triton``: the kernels' Triton wrappers (what runs on the GPU) in the interpreter."""
+    """``triton``: the kernels' Triton wrappers (what runs on the GPU; in the interpreter on a
+    machine without one)."""
     if backend == "triton":
         orig = kernels.resolve_backend
         monkeypatch.setattr(kernels, "resolve_backend",
