@@ -136,6 +136,26 @@ class EventTicketSaver:
         self._stats = TransferStats()
         self._closed = False
 
+    def _hold_host_layers(self, host_k_layers, host_v_layers, validate: bool) -> None:
+        """The host tier's per-layer K / V tensors, and whether saves check their ids."""
+        if len(host_k_layers) != len(host_v_layers):
+            raise ValueError("host_k_layers and host_v_layers differ in length")
+        self.host_k = list(host_k_layers)
+        self.host_v = list(host_v_layers)
+        self.validate = validate
+
+    def _ordered_side_stream(self, device: torch.device, enabled: bool):
+        """On CUDA with `enabled`: this saver's side stream for `device`, made to wait for the
+        compute stream's work so far (the new rows are written); None otherwise."""
+        if device.type != "cuda" or not enabled:
+            return None
+        streams = self.__dict__.setdefault("_side_streams", {})
+        side = streams.get(device)
+        if side is None:
+            side = streams[device] = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        return side
+
     # subclasses call this at the end of save()
     def _issue(self, event, keepalive, stats: TransferStats) -> int:
         with self._lock:

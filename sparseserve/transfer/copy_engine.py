@@ -42,14 +42,9 @@ class CopyEngineSaver(EventTicketSaver):
     def __init__(self, host_k_layers, host_v_layers, validate: bool = True,
                  side_stream: bool = True, max_runs: int = MAX_RUNS) -> None:
         super().__init__()
-        if len(host_k_layers) != len(host_v_layers):
-            raise ValueError("host_k_layers and host_v_layers differ in length")
-        self.host_k = list(host_k_layers)
-        self.host_v = list(host_v_layers)
-        self.validate = validate
+        self._hold_host_layers(host_k_layers, host_v_layers, validate)
         self.side_stream = side_stream
         self.max_runs = max_runs
-        self._side: dict = {}
         self.fallback_saves = 0  # layers saved GPU-direct because their runs were too many
 
     def save(self, layer: int, k_new, v_new, host_pages, offsets=None) -> int:
@@ -66,12 +61,7 @@ class CopyEngineSaver(EventTicketSaver):
         direct = len(runs) > self.max_runs or not (_rows_dense(hk) and _rows_dense(hv))
         self.fallback_saves += int(direct)
         dev = a.k.device
-        side = None
-        if dev.type == "cuda" and self.side_stream:
-            side = self._side.get(dev)
-            if side is None:
-                side = self._side[dev] = torch.cuda.Stream(device=dev)
-            side.wait_stream(torch.cuda.current_stream(dev))  # k_new/v_new are written
+        side = self._ordered_side_stream(dev, self.side_stream)
         staged = []
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             if direct:

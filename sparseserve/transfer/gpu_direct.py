@@ -118,15 +118,10 @@ class GpuDirectSaver(EventTicketSaver):
         work so far (the save overlaps compute; its ticket's event is recorded there)."""
         super().__init__()
         self.side_stream = side_stream
-        self._side: dict = {}  # device -> side stream
-        if len(host_k_layers) != len(host_v_layers):
-            raise ValueError("host_k_layers and host_v_layers differ in length")
         if backend not in (None, "auto", "triton", "torch"):
             raise ValueError(f"unknown backend {backend!r}")
-        self.host_k = list(host_k_layers)
-        self.host_v = list(host_v_layers)
+        self._hold_host_layers(host_k_layers, host_v_layers, validate)
         self.backend = backend
-        self.validate = validate
 
     def save(self, layer: int, k_new, v_new, host_pages, offsets=None) -> int:
         """k_new/v_new [T, Hkv, D] (last dim dense; any other strides); host_pages [T, Hkv]
@@ -138,12 +133,7 @@ class GpuDirectSaver(EventTicketSaver):
         plan = a.extra["plan"]
         hk, hv = self.host_k[layer], self.host_v[layer]
         dev = a.k.device
-        side = None
-        if dev.type == "cuda" and self.side_stream:
-            side = self._side.get(dev)
-            if side is None:
-                side = self._side[dev] = torch.cuda.Stream(device=dev)
-            side.wait_stream(torch.cuda.current_stream(dev))  # k_new/v_new are written
+        side = self._ordered_side_stream(dev, self.side_stream)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             pages, offs = plan.device_ids(dev)  # copied once per step, on the first layer
             backend = self.backend or "auto"

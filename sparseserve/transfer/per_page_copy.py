@@ -51,11 +51,7 @@ class PerPageCopySaver(EventTicketSaver):
 
     def __init__(self, host_k_layers, host_v_layers, validate: bool = True) -> None:
         super().__init__()
-        if len(host_k_layers) != len(host_v_layers):
-            raise ValueError("host_k_layers and host_v_layers differ in length")
-        self.host_k = list(host_k_layers)
-        self.host_v = list(host_v_layers)
-        self.validate = validate
+        self._hold_host_layers(host_k_layers, host_v_layers, validate)
 
     def save(self, layer: int, k_new, v_new, host_pages, offsets=None) -> int:
         """k_new/v_new [T, Hkv, D]; host_pages [T, Hkv] host page ids (< 0: not saved);
