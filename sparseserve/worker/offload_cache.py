@@ -36,37 +36,12 @@ from sparseserve.transfer import PageLoader, SavePlan, make_save_plan, make_save
 from sparseserve.worker.decode_write_through import DecodeWriteThrough
 from sparseserve.worker.host_copy import to_device
 from sparseserve.worker.lagged_counters import LaggedCounters
+from sparseserve.worker.pinned_host import alloc_pinned, staging_ring_bytes, unregister_pinned
 from sparseserve.worker.selection_stamps import SelectionStamps
 
 # last_access of a slot whose page has a save in flight (+ the step's parity): in the future,
 # so its age is 0 and it is never a victim; outside every working-set window
 PENDING_SAVE = 1 << 60
-
-
-def staging_ring_bytes(step_save_bytes: int, floor: int = 1 << 30,
-                       cap: int = 8 << 30) -> int:
-    """FlashD2H's pinned staging ring: two steps of prefill saves (the fence lags one step),
-    at least `floor`, at most `cap` (pinned host memory beside the host tier), rounded up
-    to 64 MiB."""
-    want = min(max(2 * step_save_bytes, floor), cap)
-    return -(-want // (64 << 20)) * (64 << 20)
-
-
-def _unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
-
-
-def _alloc_pinned(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """Host memory, page-locked when `pin`. torch's pinned allocator rounds each allocation up
-    to a power of two (a 32 GiB tier plus one scratch page would lock 64 GiB), so allocate
-    pageable memory of the exact size and register it with CUDA instead."""
-    t = torch.empty(shape, dtype=dtype)
-    if not pin:
-        return t
-    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    if int(getattr(rc, "value", rc)) == 0 and t.is_pinned():
-        return t
-    return t.pin_memory()  # registration unavailable: fall back to the caching allocator
 
 
 class TwoTierCache:
@@ -86,13 +61,13 @@ class TwoTierCache:
         self.d2h_method = cache.d2h_method
         hp = cache.num_host_pages + 1
         # one tensor for all layers, K and V: [2, L, pages + 1, page_size, D], pinned exactly
-        self._host = _alloc_pinned((2, num_layers, hp, ps, head_dim), dtype,
+        self._host = alloc_pinned((2, num_layers, hp, ps, head_dim), dtype,
                                    device.type == "cuda")
         self.host_k = list(self._host[0])
         self.host_v = list(self._host[1])
         if self._host.is_pinned() and device.type == "cuda":
             # unregister before the memory goes back to the OS (no-op for pin_memory tensors)
-            weakref.finalize(self, _unregister, self._host.data_ptr())
+            weakref.finalize(self, unregister_pinned, self._host.data_ptr())
         s1 = self.num_slots + 1
         self.scratch_slot = self.num_slots
         self.scratch_page = self.num_host_pages

@@ -1,5 +1,5 @@
 """FlashD2H's staging ring holds two steps of prefill saves (the fence lags one step)."""
-from sparseserve.worker.offload_cache import staging_ring_bytes
+from sparseserve.worker.pinned_host import staging_ring_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
 
