@@ -67,8 +67,8 @@ class CopyEngineSaver(EventTicketSaver):
             if direct:
                 _save_direct(hk, hv, a.k, a.v, plan, dev, capped=side is not None)
             else:
-                _save_copies(hk, hv, a.k, a.v, *_rows_on(plan, dev, t_rows, h_rows), runs,
-                             staged)
+                _save_copies(hk, hv, a.k, a.v, *plan.on_device("rows", (t_rows, h_rows), dev),
+                             runs, staged)
             event = None
             if dev.type == "cuda":
                 event = torch.cuda.Event()
@@ -101,22 +101,7 @@ def _rows_dense(host: torch.Tensor) -> bool:
 
 def _save_direct(hk, hv, k, v, plan, device, capped: bool) -> None:
     """A fragmented layer GPU-direct (a Triton kernel by UVA; torch indexing on CPU)."""
-    from .gpu_direct import SIDE_STREAM_MAX_PROGRAMS, _torch_save, gpu_direct_save
+    from .gpu_direct import SIDE_STREAM_MAX_PROGRAMS, save_rows
     pages, offs = plan.device_ids(device)
-    if device.type == "cuda":
-        gpu_direct_save(hk, hv, k, v, pages, offs,
-                        max_programs=SIDE_STREAM_MAX_PROGRAMS if capped else None)
-    else:
-        _torch_save(hk, hv, k, v, pages, offs)
-
-
-def _rows_on(plan, device, t_rows, h_rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """The staging order's row indices on `device`, copied once per plan."""
-    key = ("rows", str(device))
-    hit = plan.cache.get(key)
-    if hit is None:
-        pin = device.type == "cuda"
-        hit = plan.cache[key] = tuple(
-            (torch.from_numpy(x).pin_memory().to(device, non_blocking=True) if pin
-             else torch.from_numpy(x)) for x in (t_rows, h_rows))
-    return hit
+    save_rows(hk, hv, k, v, pages, offs,
+              max_programs=SIDE_STREAM_MAX_PROGRAMS if capped else None)

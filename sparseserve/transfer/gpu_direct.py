@@ -27,7 +27,7 @@ from .common import EventTicketSaver, TransferStats, bits_view, check_save_args
 
 patch_triton_interpreter()
 
-__all__ = ["gpu_direct_save", "GpuDirectSaver"]
+__all__ = ["gpu_direct_save", "save_rows", "GpuDirectSaver"]
 
 # programs a side-stream save launches (None: one per 16-token block and head). Uncapped, a
 # long layer's ~65k programs fill every SM until they drain over PCIe; 64 measured best of
@@ -96,6 +96,16 @@ def gpu_direct_save(host_k, host_v, k_new, v_new, pages, offsets, *, block_t: in
             _gpu_direct_kernel[grid](*args, **kw)
     else:
         _gpu_direct_kernel[grid](*args, **kw)
+
+
+def save_rows(host_k, host_v, k_new, v_new, pages, offsets, *,
+              max_programs: int | None = None) -> None:
+    """``gpu_direct_save``'s contract on any device: the Triton kernel on CUDA tensors, torch
+    indexing (``_torch_save``) otherwise."""
+    if k_new.is_cuda:
+        gpu_direct_save(host_k, host_v, k_new, v_new, pages, offsets, max_programs=max_programs)
+    else:
+        _torch_save(host_k, host_v, k_new, v_new, pages, offsets)
 
 
 def _torch_save(host_k, host_v, k_new, v_new, pages, offsets) -> None:

@@ -41,15 +41,20 @@ class SavePlan:
     def shape(self) -> tuple[int, int]:
         return self.pages.shape
 
-    def device_ids(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pages [T, H], offsets [T, H] broadcast view) on `device`, copied once per plan
-        (pinned, non-blocking on CUDA)."""
-        key = ("ids", str(device))
+    def on_device(self, name: str, arrays, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """numpy `arrays` derived from this plan as tensors on `device`, copied once per plan
+        and kept under `name` (pinned, non-blocking on CUDA): the step's other layers reuse
+        them."""
+        key = (name, str(device))
         hit = self.cache.get(key)
         if hit is None:
-            hit = self.cache[key] = (_to_device(self.pages, device),
-                                     _to_device(self.offsets, device).expand(self.pages.shape))
+            hit = self.cache[key] = tuple(_to_device(a, device) for a in arrays)
         return hit
+
+    def device_ids(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pages [T, H], offsets [T, H] broadcast view) on `device`."""
+        pages, offs = self.on_device("ids", (self.pages, self.offsets), device)
+        return pages, offs.expand(self.pages.shape)
 
 
 def make_save_plan(host_pages, offsets, num_pages: int, page_size: int,

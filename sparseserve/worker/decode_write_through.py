@@ -48,10 +48,5 @@ class DecodeWriteThrough:
         offs = offsets.long().repeat(L).view(-1, 1).expand(L * n, hkv)
         host_k = self.host[0].view(-1, *self.host.shape[3:])   # [L * (P + 1), ps, D]
         host_v = self.host[1].view(-1, *self.host.shape[3:])
-        if stage_k.is_cuda:
-            from sparseserve.transfer.gpu_direct import gpu_direct_save
-            gpu_direct_save(host_k, host_v, stage_k, stage_v, ids, offs)
-        else:
-            live = ids >= 0
-            host_k[ids[live], offs[live]] = stage_k[live]
-            host_v[ids[live], offs[live]] = stage_v[live]
+        from sparseserve.transfer.gpu_direct import save_rows
+        save_rows(host_k, host_v, stage_k, stage_v, ids, offs)
