@@ -144,7 +144,7 @@ def step_range(text: str) -> list[int]:
     return out
 
 
-def profiled(fn, top: int = 12) -> tuple[Any, dict]:
+def profiled(fn, top: int = 40) -> tuple[Any, dict]:
     """fn() under torch.profiler (CPU + CUDA); -> (its result, summary): the kernel time (sum
     of device self time, ms), the `top` kernels / CPU ops by self time, and the calls of
     host-blocking CUDA APIs (synchronize, malloc, host-to-device copies)."""
@@ -175,7 +175,7 @@ def profiled(fn, top: int = 12) -> tuple[Any, dict]:
         "blocking_api": api}
 
 
-def profiled_step(engine, top: int = 12) -> tuple[list, dict]:
+def profiled_step(engine, top: int = 40) -> tuple[list, dict]:
     """engine.step() under torch.profiler: `profiled`."""
     return profiled(engine.step, top)
 
@@ -232,7 +232,8 @@ def run_trace(engine, trace: list[dict], device: str, stop_at: float,
                 times = token_times.setdefault(o.request_id, [])
                 n_new = len(o.outputs[0].token_ids) - len(times)
                 times.extend([now - t0] * n_new)
-            st = engine.get_stats()
+            # a step late, without a host sync (what the server's loop reads after a step)
+            st = engine.get_stats(fresh=False)
             loaded = st.get("pages_loaded_total", 0)
             steps.append({**rec.last, "t": now - t0, "wall_s": now - ts,
                           "device_allocs": _device_allocs() - allocs0,

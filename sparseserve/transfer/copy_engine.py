@@ -9,11 +9,14 @@ fourteenth session). The copy engines move bytes without SMs, so here a layer's 
 1. one gather per K and V on a side stream (ordered after the compute stream's work so far)
    into a staging buffer laid out in host-address order (`save_plan.dest_runs`; ~20 us for
    a 32 MB layer at HBM speed), then
-2. one ``cudaMemcpyAsync`` device-to-host per run of consecutive host rows. Host pages are
-   handed out in chunks of consecutive ids per (request, KV head) and a request's heads take
-   adjacent chunks, so a prefill chunk's layer is typically a few runs of megabytes.
+2. one DMA copy per block of runs of consecutive host rows (``save_plan.dest_blocks``). Host
+   pages are handed out in chunks of consecutive ids per (request, KV head) and a request's
+   heads take adjacent chunks, so a prefill chunk's layer is a few runs of megabytes plus,
+   where the step starts or ends inside a chunk, one equally long run per head, equally
+   spaced: one strided copy (``memcpy2d``; they were ~33 copies per K and V per layer on
+   LWM-7B, whose host-side calls ate what the SMs saved — serving.md, fourteenth session).
 
-A step whose rows scatter into more than ``max_runs`` runs (a fragmented host pool) is saved
+A step whose rows scatter into more than ``max_runs`` blocks (a fragmented host pool) is saved
 GPU-direct instead: that many small copies would cost more host time than they save.
 On CPU tensors the same code runs synchronously (tests). Same interface and tickets as the
 other savers.
@@ -22,14 +25,16 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 
 from .common import EventTicketSaver, TransferStats, check_save_args
-from .save_plan import dest_runs
+from .memcpy2d import copy_rows_2d, cuda_2d_available
+from .save_plan import dest_blocks, dest_runs
 
 __all__ = ["CopyEngineSaver"]
 
-# runs one layer's save may take as copies (K and V each); more go GPU-direct. A copy call
+# blocks one layer's save may take as copies (K and V each); more go GPU-direct. A copy call
 # costs ~5 us of host time; 64 of them per K and V is ~0.6 ms per layer, about what the
 # gather-free GPU-direct launch saves in kernel time on a 2048-token MHA layer.
 MAX_RUNS = 64
@@ -56,11 +61,15 @@ class CopyEngineSaver(EventTicketSaver):
         plan = a.extra["plan"]
         hk, hv = self.host_k[layer], self.host_v[layer]
         ps = hk.shape[1]
-        t_rows, h_rows, runs = dest_runs(plan, ps)
-        # runs address host rows as page * page_size + offset: a dense layer's rows only
-        direct = len(runs) > self.max_runs or not (_rows_dense(hk) and _rows_dense(hv))
-        self.fallback_saves += int(direct)
         dev = a.k.device
+        if dev.type != "cuda" or cuda_2d_available():
+            t_rows, h_rows, blocks = dest_blocks(plan, ps)
+        else:  # no runtime to call: one copy per run (a block of height 1 each)
+            t_rows, h_rows, r = dest_runs(plan, ps)
+            blocks = np.stack([r[:, 0], r[:, 2], r[:, 1], r[:, 2], np.ones_like(r[:, 0])], 1)
+        # blocks address host rows as page * page_size + offset: a dense layer's rows only
+        direct = len(blocks) > self.max_runs or not (_rows_dense(hk) and _rows_dense(hv))
+        self.fallback_saves += int(direct)
         side = self._ordered_side_stream(dev, self.side_stream)
         staged = []
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -68,7 +77,7 @@ class CopyEngineSaver(EventTicketSaver):
                 _save_direct(hk, hv, a.k, a.v, plan, dev, capped=side is not None)
             else:
                 _save_copies(hk, hv, a.k, a.v, *plan.on_device("rows", (t_rows, h_rows), dev),
-                             runs, staged)
+                             blocks, staged)
             event = None
             if dev.type == "cuda":
                 event = torch.cuda.Event()
@@ -81,15 +90,19 @@ class CopyEngineSaver(EventTicketSaver):
         return self._issue(event, tuple(staged) if event is not None else None, stats)
 
 
-def _save_copies(hk, hv, k, v, t_idx, h_idx, runs, staged: list) -> None:
+def _save_copies(hk, hv, k, v, t_idx, h_idx, blocks, staged: list) -> None:
     """Gather each of k/v [T, Hkv, D] into host-address order (staging [rows, D], kept alive
-    in `staged` until the ticket completes), one copy per run of consecutive host rows."""
+    in `staged` until the ticket completes), one copy per block of runs (dest_blocks:
+    first host row, pitch, first staging row, run length, runs)."""
     for new, host in ((k, hk), (v, hv)):
         rows = host.view(-1, host.shape[2])      # [pages * page_size, D]: one row per token
         stage = new[t_idx, h_idx]
         staged.append(stage)
-        for dst, src, n in runs.tolist():
-            rows[dst:dst + n].copy_(stage[src:src + n], non_blocking=True)
+        for dst, pitch, src, n, height in blocks.tolist():
+            if height == 1:
+                rows[dst:dst + n].copy_(stage[src:src + n], non_blocking=True)
+            else:
+                copy_rows_2d(rows, dst, pitch, stage, src, n, height)
 
 
 def _rows_dense(host: torch.Tensor) -> bool:

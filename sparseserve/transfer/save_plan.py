@@ -21,7 +21,7 @@ import torch
 
 from .common import as_index_array, count_page_runs, page_runs
 
-__all__ = ["SavePlan", "make_save_plan", "dest_runs"]
+__all__ = ["SavePlan", "make_save_plan", "dest_runs", "dest_blocks"]
 
 
 @dataclass
@@ -104,6 +104,36 @@ def dest_runs(plan: SavePlan, page_size: int) -> tuple[np.ndarray, np.ndarray, n
     else:
         runs = np.zeros((0, 3), np.int64)
     hit = plan.cache[("runs", page_size)] = (t, h, runs)
+    return hit
+
+
+def dest_blocks(plan: SavePlan, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """dest_runs with equally long, equally spaced neighbouring runs grouped into blocks, each
+    one strided copy (memcpy2d.copy_rows_2d): where a step starts or ends inside a page or a
+    chunk, every KV head has a partial run of the same length, one head's chunk apart.
+
+    -> (t [R], h [R] as dest_runs; blocks [m, 5] int64: (first host row, host rows between
+    the block's runs, first staging row, run length, runs)). Staging rows stay in address
+    order, so a block's runs are consecutive there."""
+    hit = plan.cache.get(("blocks", page_size))
+    if hit is not None:
+        return hit
+    t, h, runs = dest_runs(plan, page_size)
+    blocks = []
+    i, n = 0, len(runs)
+    while i < n:
+        dst, src, length = (int(x) for x in runs[i])
+        j, pitch = i + 1, 0
+        while j < n and int(runs[j, 2]) == length:
+            step = int(runs[j, 0] - runs[j - 1, 0])
+            if pitch and step != pitch:
+                break
+            pitch = step
+            j += 1
+        blocks.append((dst, pitch or length, src, length, j - i))
+        i = j
+    arr = np.asarray(blocks, np.int64).reshape(-1, 5)
+    hit = plan.cache[("blocks", page_size)] = (t, h, arr)
     return hit
 
 

@@ -1,12 +1,14 @@
 """The copy-engine saver's run list and step plans: `dest_runs` against a brute-force mapping,
-one plan reused by every layer of a step == per-layer arguments, k/v given as strided views of
-a fused qkv buffer, and the run count of a prefill chunk in chunk-allocated host pages."""
+`dest_blocks` (strided blocks of equal runs) against the runs they group, one plan reused by
+every layer of a step == per-layer arguments, k/v given as strided views of a fused qkv
+buffer, the run and block counts of a prefill chunk in chunk-allocated host pages, and the
+bytes a partial-chunk step lands through strided copies."""
 import numpy as np
 import pytest
 import torch
 
 from sparseserve.transfer import make_save_plan, make_saver
-from sparseserve.transfer.save_plan import dest_runs
+from sparseserve.transfer.save_plan import dest_blocks, dest_runs
 
 from . import DEV, PIN, filled, random_bits, same_bits
 
@@ -59,6 +61,85 @@ def test_prefill_chunk_runs_in_chunk_allocated_pages():
             plan = make_save_plan(pages, (start + np.arange(T)) % ps, int(pages.max()) + 1, ps)
             assert len(dest_runs(plan, ps)[2]) == want, (start, bases)
             assert plan.rows == T * H
+
+
+def _chunked_pages(T, H, ps, C, start, bases):
+    """Pages and offsets of a T-token step of H heads from token `start` on, in host pages
+    handed out C per (request, head), rows of heads taken from allocations `bases`."""
+    blk = (start + np.arange(T)) // ps
+    base = np.asarray(bases)[blk // C]
+    pages = (base[:, None] * H + np.arange(H)[None, :]) * C + (blk % C)[:, None]
+    return pages, (start + np.arange(T)) % ps
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_dest_blocks_cover_the_runs(seed):
+    """Each block's runs are runs of dest_runs, in order, equally long and `pitch` apart;
+    blocks are maximal (neighbours could not join); random and chunk-shaped steps."""
+    rng = np.random.default_rng(seed)
+    ps, H = 16, int(rng.integers(1, 9))
+    if seed % 2:
+        T, C = int(rng.integers(1, 700)), int(rng.choice([1, 4]))
+        pages, offs = _chunked_pages(T, H, ps, C, int(rng.integers(0, 100)),
+                                     rng.permutation(64))
+    else:
+        T = int(rng.integers(1, 60))
+        rows = rng.permutation(80 * ps)[:T * H].reshape(T, H)
+        pages, offs = rows // ps, rows % ps
+    plan = make_save_plan(pages, offs, int(pages.max()) + 1, ps)
+    t, h, runs = dest_runs(plan, ps)
+    tb, hb, blocks = dest_blocks(plan, ps)
+    assert (tb == t).all() and (hb == h).all()
+    expanded = [(dst + i * pitch, src + i * n, n) for dst, pitch, src, n, height in blocks
+                for i in range(height)]
+    assert expanded == [tuple(r) for r in runs.tolist()]
+    for (d0, p0, s0, n0, h0), (d1, p1, s1, n1, h1) in zip(blocks[:-1], blocks[1:]):
+        last = d0 + (h0 - 1) * p0
+        assert not (n0 == n1 and (h0 == 1 or d1 - last == p0)
+                    and (h1 == 1 or p1 == d1 - last)), "blocks not maximal"
+
+
+def test_partial_chunk_step_is_a_few_blocks():
+    """The fourteenth session's LWM-7B case: a 1,918-token step of 32 heads in chunk-allocated
+    pages (16 pages per chunk) is 32 runs per layer — the partial chunk is one run per head,
+    the first joined to the whole chunks before it — and 2 blocks; starting mid-chunk too,
+    63 runs and 3 blocks."""
+    T, H, ps, C = 1918, 32, 32, 16
+    for start, want_runs, want_blocks in ((0, 32, 2), (100, 63, 3)):
+        pages, offs = _chunked_pages(T, H, ps, C, start, list(range(8)))
+        plan = make_save_plan(pages, offs, int(pages.max()) + 1, ps)
+        assert len(dest_runs(plan, ps)[2]) == want_runs
+        assert len(dest_blocks(plan, ps)[2]) == want_blocks
+
+
+@pytest.mark.parametrize("T,start", [(1, 0), (17, 5), (97, 40), (300, 13)])
+def test_strided_blocks_land_the_bytes(T, start):
+    """A step starting and ending inside chunks (blocks of height > 1) saves every row to its
+    page and offset, touches nothing else, and goes through the copies (no fallback)."""
+    H, D, ps, C = 4, 32, 16, 4
+    dtype = torch.bfloat16
+    pages, offs = _chunked_pages(T, H, ps, C, start, [2, 0, 5, 1, 3, 4, 6])
+    P = int(pages.max()) + 3
+    gen = torch.Generator().manual_seed(T)
+    k = random_bits((T, H, D), dtype, gen, DEV)
+    v = random_bits((T, H, D), dtype, gen, DEV)
+    hk = [filled((P, ps, D), dtype, SENTINEL, pin=PIN)]
+    hv = [filled((P, ps, D), dtype, SENTINEL, pin=PIN)]
+    plan = make_save_plan(pages, offs, P, ps)
+    assert T < ps * C or (dest_blocks(plan, ps)[2][:, 4] > 1).any()
+    with make_saver("copy-engine", hk, hv) as saver:
+        saver.wait(saver.save(0, k, v, plan))
+        assert saver.fallback_saves == 0
+    written = np.zeros((P, ps), bool)
+    kc, vc = k.cpu(), v.cpu()
+    for a in range(T):
+        for b in range(H):
+            p, o = pages[a, b], offs[a]
+            written[p, o] = True
+            assert same_bits(hk[0][p, o], kc[a, b]) and same_bits(hv[0][p, o], vc[a, b])
+    untouched = torch.from_numpy(~written)
+    assert same_bits(hk[0][untouched], filled((int(untouched.sum()), D), dtype, SENTINEL))
+    assert same_bits(hv[0][untouched], filled((int(untouched.sum()), D), dtype, SENTINEL))
 
 
 @pytest.mark.parametrize("T", [1, 17, 97])
