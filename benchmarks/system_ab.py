@@ -1,6 +1,6 @@
 """Side by side: several `benchmarks/system.py` JSONs (e.g. two trees run alternately in one
 command, A/B), per configuration: mean / p99 TBT, TTFT, the decode-only step's median and mean,
-its median batch, prefill tokens/s in prefill steps. Ratios are to the first file's `dense`.
+its median batch and CUDA-graph launch (host) time, prefill tokens/s in prefill steps. Ratios are to the first file's `dense`.
 
   python benchmarks/system_ab.py old1.json new1.json old2.json new2.json [--json out.json]
 """
@@ -21,6 +21,8 @@ def summary(run: dict) -> dict:
             "p99_tbt_ms": run["p99_tbt_ms"],
             "decode_median_ms": float(np.median(walls)), "decode_mean_ms": float(walls.mean()),
             "decode_batch_median": float(np.median([s["decode"] for s in pure])) if pure else 0,
+            "replay_median_ms": float(np.median([1e3 * s.get("replay_s", np.nan) for s in pure]))
+            if pure else np.nan,
             "prefill_tok_s": run["prefill_tokens_per_s_in_prefill_steps"]}
 
 
@@ -38,7 +40,7 @@ def main() -> None:
             rows.append({"file": os.path.basename(f), "config": name, **summary(run)})
     ref = next((r for r in rows if r["config"] == "dense"), None)
     cols = ["ttft_s", "tbt_ms", "p99_tbt_ms", "decode_median_ms", "decode_mean_ms",
-            "decode_batch_median", "prefill_tok_s"]
+            "decode_batch_median", "replay_median_ms", "prefill_tok_s"]
     print(f"{'file':32s} {'config':14s} " + " ".join(f"{c:>17s}" for c in cols))
     for r in rows:
         print(f"{r['file'][:32]:32s} {r['config'][:14]:14s} "

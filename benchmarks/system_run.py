@@ -54,6 +54,7 @@ class StepRecorder:
                      "chunks": [[c.num_tokens, c.start, c.layer_start, c.layer_end]
                                 for c in pre_chunks]}
         c0 = len(self.compiled)
+        self._replay_s = 0.0
         t0 = time.perf_counter()
         prof = None
         try:
@@ -62,7 +63,8 @@ class StepRecorder:
                 return result
             return self._original(out)
         finally:
-            self.last.update(exec_s=time.perf_counter() - t0, compiled=self.compiled[c0:])
+            self.last.update(exec_s=time.perf_counter() - t0, compiled=self.compiled[c0:],
+                             replay_s=self._replay_s)
             entry = {k: self.last[k] for k in ("decode", "prefill_token_layers", "exec_s")}
             if self.count_loads:
                 tier = self.runner.offload_stats()
@@ -74,14 +76,29 @@ class StepRecorder:
                 entry["profile"] = prof
             self.history.append(entry)
 
+    def _timed_replay(self, graph):
+        """CUDAGraph.replay, its host time summed into the step's "replay_s" (the launch: the
+        GPU may sit idle while a graph of many nodes is submitted)."""
+        t = time.perf_counter()
+        try:
+            return self._replay(graph)
+        finally:
+            self._replay_s += time.perf_counter() - t
+
     def __enter__(self):
+        import torch
         self.runner.execute = self._execute
         self._hook = _set_compile_hook(self._on_compile)
+        self._replay_s = 0.0
+        self._replay = torch.cuda.CUDAGraph.replay
+        torch.cuda.CUDAGraph.replay = lambda g: self._timed_replay(g)
         return self
 
     def __exit__(self, *exc):
+        import torch
         self.runner.__dict__.pop("execute", None)
         _set_compile_hook(self._hook)
+        torch.cuda.CUDAGraph.replay = self._replay
 
 
 def summarize_steps(history: list[dict], num_layers: int, duration_s: float) -> dict:

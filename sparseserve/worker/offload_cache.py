@@ -116,8 +116,10 @@ class TwoTierCache:
         self.write_through = DecodeWriteThrough(self._host, num_rows)
         if self.direct_decode_saves and num_kv_heads is not None:
             self.write_through.allocate(num_kv_heads, head_dim, dtype, device)
-        # stats(fresh=False): device counters copied asynchronously, read a step late
-        self.counters = LaggedCounters()
+        # stats(fresh=False): device counters copied asynchronously, read a step late, and
+        # such a copy started at most every 50 ms (the server reads after every step; a
+        # metrics scrape needs nothing fresher)
+        self.counters = LaggedCounters(min_interval_s=0.05)
         self._host_step = 0
         self._step_tickets: dict[int, int] = {}  # step -> its last save ticket
         # bytes of decode write-through (GPU-direct); the saver counts the rest
@@ -369,13 +371,15 @@ class TwoTierCache:
     def stats(self, fresh: bool = True) -> dict[str, int]:
         """Counters. The device counters are read with one copy, not one per counter: the
         server reads them after every step; fresh=False does not wait for the device
-        (LaggedCounters: a step or so late, exact once the device is idle)."""
+        (LaggedCounters: up to ~50 ms and a step late, exact after a fresh read)."""
         saved = self.saver.stats()
         dev = self.hit_miss.device
-        parts = [self.hit_miss, self.prefill_hit_miss, self.direct_bytes_saved.view(1),
-                 (self.page_of[:, :-1] >= 0).sum().view(1), self.loader.counter(dev)]
+
+        def parts():  # built only when a copy starts (LaggedCounters)
+            return [self.hit_miss, self.prefill_hit_miss, self.direct_bytes_saved.view(1),
+                    (self.page_of[:, :-1] >= 0).sum().view(1), self.loader.counter(dev)]
         hits, misses, p_hits, p_misses, direct, resident, pages, nbytes = \
-            self.counters.read(parts, fresh)
+            self.counters.read(parts, dev, fresh)
         return {"cache_hits_total": hits, "cache_misses_total": misses,
                 "prefill_cache_hits_total": p_hits, "prefill_cache_misses_total": p_misses,
                 "bytes_loaded_total": nbytes, "bytes_saved_total": saved.bytes + direct,

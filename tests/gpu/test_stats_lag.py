@@ -44,3 +44,31 @@ def test_lagged_counters_do_not_sync_and_converge(tiny_model_dirs):
         lag = eng.get_stats(fresh=False)
         assert all(lag[k] == fresh[k] for k in TOTALS)
     eng.check_invariants()
+
+
+def test_lagged_reads_rate_limit_their_copies():
+    """With min_interval_s, lagged reads build the counters (parts()) at most that often and
+    return the last landed copy in between; a fresh read always builds and waits."""
+    import time
+
+    from sparseserve.worker.lagged_counters import LaggedCounters
+
+    dev = torch.device("cuda")
+    x = torch.zeros(3, dtype=torch.long, device=dev)
+    built = []
+
+    def parts():
+        built.append(1)
+        return [x]
+    lag = LaggedCounters(min_interval_s=0.2)
+    assert lag.read(parts, dev, fresh=True) == [0, 0, 0] and len(built) == 1
+    x += 5
+    for _ in range(20):  # inside the interval: no new copy, the fresh values stay
+        assert lag.read(parts, dev, fresh=False) == [0, 0, 0]
+    assert len(built) == 1
+    time.sleep(0.25)
+    lag.read(parts, dev, fresh=False)  # starts a copy
+    assert len(built) == 2
+    torch.cuda.synchronize()
+    assert lag.read(parts, dev, fresh=False) == [5, 5, 5]  # the copy landed
+    assert lag.read(parts, dev, fresh=True) == [5, 5, 5] and len(built) == 3
