@@ -55,9 +55,10 @@ Combos that do not fit in free memory, or past ``--budget-s`` (270 s), are skipp
         --algorithms keycode2-sparq,keycode2-sparq@decode_asm=0,keycode2-sparq@score_kernel=1
 
 ``--algorithms`` takes variants ``name@attr=value+attr=value`` (class attributes of the
-algorithm overridden; variants of one algorithm share its summaries): above, keycode2-sparq's
-score phase ``kernels/sparq_tiles.py`` with and without its bf16x2 decode, and its first
-version ``sparq_codes.sparq_page_x``.
+algorithm overridden; variants of one algorithm share its summaries unless their layouts
+differ): above, keycode2-sparq's score phase ``kernels/sparq_tiles.py`` with and without its
+bf16x2 decode, and its first version ``sparq_codes.sparq_page_x``; ``keycode2-sparq@records=0``
+its first summary layout (box and codes in separate rows) against the per-channel records.
     python benchmarks/sparse_decode.py --smoke --out DIR  # CPU, Triton interpreter
 
 Writes DIR/sparse_decode.json (rows, command, GPU, versions, date) and DIR/sparse_decode.png;

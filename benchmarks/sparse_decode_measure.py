@@ -41,12 +41,15 @@ def build_pool(torch, s, device, dtype, ctx, bmax, names):
             if not hasattr(alg, key):
                 raise ValueError(f"{name}: {base} has no attribute {key!r}")
             setattr(alg, key, val)
-        if base not in built:  # variants of one algorithm share its summaries
+        # variants of one algorithm share its summaries, unless their layouts differ
+        # (keycode2-sparq@records=0: the first layout)
+        key = (base, getattr(alg, "records", None))
+        if key not in built:
             summ = alg.make_summaries(P + 1, d, dtype, device)
             for i in range(0, P, INDEX_CHUNK):
                 alg.index(k, ids[i:i + INDEX_CHUNK], ntok[i:i + INDEX_CHUNK], summ, None)
-            built[base] = summ
-        algs[name] = (alg, built[base])
+            built[key] = summ
+        algs[name] = (alg, built[key])
     return dict(k=k, v=v, table=table, n=n, last=last, algs=algs)
 
 
@@ -111,7 +114,7 @@ def measure_combo(torch, bench, s, pool, ctx, batch, copy_bw, backend, graphs):
               "topk": bench.time(lambda: scores.topk(kk, dim=-1), latency=False),
               "topk_unsorted": bench.time(lambda: scores.topk(kk, dim=-1, sorted=False),
                                           latency=False)}
-        if box:
+        if fused is not None:  # box algorithms and keycode2-sparq (records: no kmin row)
             tm["fused"] = bench.time(fused)
         for key, val in tm.items():
             r[f"{key}_us"] = val["gpu"]["median"]
@@ -133,11 +136,11 @@ def measure_combo(torch, bench, s, pool, ctx, batch, copy_bw, backend, graphs):
             r["graph_error"] = "skipped: CUDA graphs need a GPU"
         sel_pages = sel.num_pages.long()
         attend_bytes = int(sel_pages.sum()) * ps * d * 2 * es
-        summ_bytes_read = int(batch * hkv * _summary_bytes_per_row(alg, summ, n))
+        summ_bytes_read = int(batch * hkv * _summary_bytes_per_row(alg, summ, n, d, es))
         select_bytes = summ_bytes_read + pt.numel() * pt.element_size()
         if hasattr(alg, "select_bytes_per_page"):  # what the DRAM sectors move, expected
             r["select_sector_bytes"] = int(batch * hkv * _summary_bytes_per_row(
-                alg, summ, n, sectors=True) + pt.numel() * pt.element_size())
+                alg, summ, n, d, es, sectors=True) + pt.numel() * pt.element_size())
             r["select_sector_bw_tbs"] = tbs(r["select_sector_bytes"], r["select_us"])
             r["select_sector_bw_frac_copy"] = frac(r["select_sector_bw_tbs"], copy_bw)
         summ_total = sum(x.numel() * x.element_size() for x in summ.tensors.values())
@@ -175,7 +178,7 @@ def measure_combo(torch, bench, s, pool, ctx, batch, copy_bw, backend, graphs):
         ck["ok"] = all(val < (1e-3 if k.dtype == torch.float32 else 5e-2) for val in ck.values())
         # fused vs generic selection: the same set up to near-ties (scores differ by rounding)
         ck["select_set_mismatch_frac"] = _set_mismatch(torch, sel, unfused(), b, n)
-        if box:
+        if fused is not None:
             got = fused()
             ck["fused_set_mismatch_frac"] = _set_mismatch(
                 torch, type(sel)(got[0], got[1], lpl, got[2]), unfused(), b, n)
@@ -212,11 +215,11 @@ def _fused_call(alg, summ, q, pt, npg, lpl, backend):
     (two selects), the key-code select, or the box select."""
     from sparseserve.kernels import select_pages, select_pages_shortlist
 
+    if hasattr(alg, "select_kernel"):  # its own kernels (keycode2-sparq: channels + select)
+        return lambda: alg.select_kernel(q, pt, npg, lpl, summ, backend=backend)  # noqa: E731
     if "kmin" not in summ.tensors or "kmax" not in summ.tensors:
         return None
     a = (alg.budget_pages, alg.sink_pages, alg.local_pages)
-    if hasattr(alg, "select_kernel"):  # its own kernels (keycode2-sparq: channels + select)
-        return lambda: alg.select_kernel(q, pt, npg, lpl, summ, backend=backend)  # noqa: E731
     if getattr(alg, "shortlist_pages", None) is not None:
         return lambda: select_pages_shortlist(  # noqa: E731
             q, summ["kmin"], summ["kmax"], summ["codes"], pt, npg, lpl, alg.budget_pages,
@@ -228,15 +231,15 @@ def _fused_call(alg, summ, q, pt, npg, lpl, backend):
                                 backend=backend)
 
 
-def _summary_bytes_per_row(alg, summ, n, sectors=False):
-    """Summary bytes one (request, KV head) row's select reads at n pages: every summary row
-    of every page; for the key-code shortlist, the box of every page and box + codes of the
-    shortlisted pages only; for keycode2-sparq the mean and the chosen channels' box and
-    codes of every page (``sectors``: the 32-byte sectors those lie in, expected)."""
+def _summary_bytes_per_row(alg, summ, n, d, es, sectors=False):
+    """Summary bytes one (request, KV head) row's select reads at n pages (head_dim d, KV
+    element size es): every summary row of every page; for the key-code shortlist, the box of
+    every page and box + codes of the shortlisted pages only; for keycode2-sparq the mean and
+    the chosen channels' box and codes (or records) of every page and one width row
+    (``sectors``: the 32-byte sectors those lie in, expected)."""
     row = {name: t.shape[1] * t.element_size() for name, t in summ.tensors.items()}
-    if hasattr(alg, "select_bytes_per_page"):  # the chosen channels only, + one wsum row
-        d, es = summ["kmin"].shape[1], summ["kmin"].element_size()
-        return n * alg.select_bytes_per_page(d, es, sectors) + row["wsum"]
+    if hasattr(alg, "select_bytes_per_page"):  # the chosen channels only, + one width row
+        return n * alg.select_bytes_per_page(d, es, sectors) + alg.select_row_bytes(d, es)
     s = getattr(alg, "shortlist_pages", None)
     if s is not None and s < n:
         return n * (row["kmin"] + row["kmax"]) + s * sum(row.values())

@@ -142,7 +142,7 @@ def head_bounds(q, kmin, kmax, page_table, num_pages, *, backend=None, n_sub=1):
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
                  local_pages, out_pages=None, out_num=None, out_blocks=None, *, backend=None,
                  num_splits=None, n_sub=1, codes=None, bits=0, kmean=None, chan=None,
-                 kscale=None, sparq_chan=None, sparq_kernel=None, sparq_asm=None):
+                 kscale=None, sparq_chan=None, sparq_kernel=None, sparq_asm=None, sparq_rec=None):
     """Fused Quest/ArkVale selection (score + kept pages + top-k); see
     ``page_select.select_pages``.
 
@@ -156,13 +156,15 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     (``ref.channel_code_page_bounds``; kmin / kmax are the coded channels' ranges).
     ``sparq_chan`` [B, Hkv, R] with ``codes`` (channel-major), ``kmean``, ``kscale``: each row
     decodes its R channels of every page (``ref.sparq_page_bounds``; kmin / kmax [S, D]);
-    ``sparq_kernel`` / ``sparq_asm`` (Triton only) pick its score phase's version.
+    ``sparq_kernel`` / ``sparq_asm`` (Triton only) pick its score phase's version;
+    ``sparq_rec``: the records kmin / kmax / codes are views of (``sparq_records``; Triton
+    reads them whole).
     """
     cc = dict(kmean=kmean, chan=chan, kscale=kscale, sparq_chan=sparq_chan)
     if chan is not None and not channel_codes_supported(kmin.shape[-1], q.shape[-1]):
         backend = "torch"  # too few coded channels for the kernel
     if sparq_chan is not None and not sparq_supported(sparq_chan.shape[-1], q.shape[-1],
-                                                      codes.shape[1]):
+                                                      codes[0].numel()):
         backend = "torch"
     if resolve_backend(backend, q) == "torch":
         return ref.select_pages(q, kmin, kmax, page_table, num_pages, last_page_len,
@@ -172,7 +174,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     return _triton(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages,
                    sink_pages, local_pages, out_pages, out_num, out_blocks, num_splits=num_splits,
                    n_sub=n_sub, codes=codes, bits=bits, sparq_kernel=sparq_kernel,
-                   sparq_asm=sparq_asm, **cc)
+                   sparq_asm=sparq_asm, sparq_rec=sparq_rec, **cc)
 
 
 def code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits, out=None, *,
@@ -214,7 +216,8 @@ def channel_code_page_bounds(q, kmean, klo, khi, chan, codes, page_table, num_pa
 
 def sparq_supported(R: int, D: int, code_words: int) -> bool:
     """Whether the Triton SparQ-style score kernels take R decoded channels of head_dim D with
-    ``code_words`` words of channel-major codes per page (page_size a power of two >= 16)."""
+    ``code_words`` words of channel-major codes per page (page_size a power of two >= 16;
+    ``codes[0].numel()`` of either layout's codes)."""
     ps = code_words * 16 // D
     return channel_codes_supported(R, D) and ps * D == code_words * 16 and ps >= 16 \
         and ps & (ps - 1) == 0
@@ -223,7 +226,8 @@ def sparq_supported(R: int, D: int, code_words: int) -> bool:
 def sparq_channels(q, kmin, kmax, wsum, page_table, num_pages, channels, *, backend=None):
     """The R channels each (request, KV head) row decodes in the SparQ-style key-code select;
     see ``ref.sparq_channels``. Triton (``sparq_codes``) reads and updates the per-page width
-    sums ``wsum`` [S, D] fp32; the reference recomputes them (``wsum`` unused).
+    sums ``wsum`` [S, D] fp32 (kmin / kmax / wsum may be record views, ``sparq_records``);
+    the reference recomputes them (``wsum`` unused).
 
     q [B, Hq, D], kmin/kmax [S, D], page_table [B, Hkv, W] int32, num_pages [B, Hkv] int32
     -> [B, Hkv, R] int32."""
@@ -240,11 +244,12 @@ def sparq_page_bounds(q, kmean, kscale, kmin, kmax, codes, chosen, page_table, n
     ``sparq_codes`` (where ``sparq_supported``; the reference otherwise).
 
     q [B, Hq, D], kmean [S, D] (int8 with kscale [S, 1]), kmin/kmax [S, D], codes
-    [S, D * page_size / 16] int32 channel-major, chosen [B, Hkv, R], page_table [B, Hkv, W]
-    int32, num_pages [B, Hkv] int32 -> [B, Hkv, G, W] float32."""
+    [S, D * page_size / 16] or [S, D, page_size / 16] int32 channel-major (or record views),
+    chosen [B, Hkv, R], page_table [B, Hkv, W] int32, num_pages [B, Hkv] int32
+    -> [B, Hkv, G, W] float32."""
     args = (q, kmean, kscale, kmin, kmax, codes, chosen, page_table, num_pages, out)
     if resolve_backend(backend, q) == "torch" or not sparq_supported(
-            chosen.shape[-1], q.shape[-1], codes.shape[1]):
+            chosen.shape[-1], q.shape[-1], codes[0].numel()):
         return ref.sparq_page_bounds(*args)
     from .sparq_codes import sparq_page_bounds as _triton
     return _triton(*args)

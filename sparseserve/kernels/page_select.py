@@ -42,7 +42,9 @@ import triton.language as tl
 from . import patch_triton_interpreter
 from .channel_codes import chan_code_page_x
 from .code_scores import code_page_x
+from .ref_sparq import channel_major
 from .sparq_codes import sparq_page_x
+from .sparq_records import rec_kind as rec_kind_of
 from .sparq_tiles import MAGIC_F32, SPARQ_ASM, SPARQ_KERNEL, TILE_PAGES, sparq_score_tiles
 
 patch_triton_interpreter()
@@ -94,6 +96,7 @@ def _page_select_kernel(
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, TILE: tl.constexpr, ONE_TILE: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, DO_SCORE: tl.constexpr,
     DO_SELECT: tl.constexpr, NW: tl.constexpr, ASM: tl.constexpr, FAST: tl.constexpr,
+    BCS: tl.constexpr, CCS: tl.constexpr, REC: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -112,7 +115,7 @@ def _page_select_kernel(
             q_ptr + b64 * stride_qb + h * G * stride_qh, stride_qh, mean_ptr, kmin_ptr, kmax_ptr,
             codes_ptr, kscale_ptr, chan_ptr + b64 * stride_chan + h * R, stride_mean,
             stride_min, stride_max, stride_codes, pt_row, s_row, stride_sg, n, c0, c1, qk_scale,
-            magic, G, GP, D, BLOCK_D, PS, R, BLOCK_W, 16, NW, ASM, FAST, DOT_PREC)
+            magic, G, GP, D, BLOCK_D, PS, R, BLOCK_W, 16, NW, ASM, FAST, DOT_PREC, BCS, CCS, REC)
     elif DO_SCORE:
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
@@ -136,7 +139,7 @@ def _page_select_kernel(
                     mean_ptr, kmin_ptr, kmax_ptr, codes_ptr, kscale_ptr, chan_ptr + b64 *
                     stride_chan + h * R, stride_mean, stride_min, stride_max, stride_codes, q_ptr
                     + b64 * stride_qb + h * G * stride_qh, stride_qh, qt, page, need, qk_scale,
-                    D, BLOCK_D, BLOCK_W, PS, R, G, GP, INT8_MEAN, DOT_PREC)
+                    D, BLOCK_D, BLOCK_W, PS, R, G, GP, INT8_MEAN, DOT_PREC, BCS, CCS)
             elif R > 0:  # channel key codes (kmin / kmax: the R coded channels' ranges)
                 x = chan_code_page_x(mean_ptr, kmin_ptr, kmax_ptr, chan_ptr, codes_ptr,
                                      kscale_ptr, stride_mean, stride_min, stride_max,
@@ -265,7 +268,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                  local_pages, out_pages=None, out_num=None, out_blocks=None, *, num_splits=None,
                  block_w=None, num_warps=None, n_sub=1, codes=None, bits=0, kmean=None,
                  chan=None, kscale=None, sparq_chan=None, sparq_kernel=None, sparq_asm=None,
-                 scores_out=None):
+                 sparq_rec=None, scores_out=None):
     """Fused Quest/ArkVale page selection by estimated attention mass
 (``SparseAlgorithm.select``'s contract over ``Quest.score``; spec: ``ref.select_pages``).
 
@@ -290,11 +293,14 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                        ``codes``, bits 2): kmean [S, D] (int8 with kscale [S, 1]), chan
                        [S, R / 4] int32, and kmin / kmax [S, R] the coded channels' ranges;
                        scores as ``ref.channel_code_page_bounds``
-        sparq_chan:    [B, Hkv, R] int32 with kmean / kscale / codes (channel-major, bits 2)
-                       and kmin / kmax [S, D]: each row decodes its R channels
-                       (``sparse/keycode_sparq.py``; scores as ``ref.sparq_page_bounds``)
+        sparq_chan:    [B, Hkv, R] int32 with kmean / kscale / codes (channel-major, bits 2;
+                       [S, D * PS / 16] or [S, D, PS / 16]) and kmin / kmax [S, D]: each row
+                       decodes its R channels (``sparse/keycode_sparq.py``; scores as
+                       ``ref.sparq_page_bounds``); kmin / kmax / codes may be strided views
         sparq_kernel, sparq_asm: its score phase (2: ``sparq_tiles``, 1: ``sparq_codes``)
                        and bf16x2 decoding in it (default: ``sparq_tiles.SPARQ_*``, by env)
+        sparq_rec:     [S, D * NR] int32: the records that kmin / kmax / codes view
+                       (``sparq_records``); ``sparq_tiles`` then loads whole 4-word records
         scores_out:    [B, Hkv, G, W] fp32 for the per-head scores (``x_g`` above; written
                        for the full pages), else scratch
     Returns:
@@ -314,13 +320,17 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     chan = sparq_chan.to(torch.int32).contiguous() if sparq else chan  # sparq: [B, Hkv, R]
     R = (chan.shape[-1] if sparq else kmin.shape[-1]) if chan is not None else 0
     ps = 1
+    rec_kind = rec_kind_of(kmin.dtype) if sparq_rec is not None else 0  # before any cast
+    if sparq:  # [S, D, PS / 16] code words, any channel stride (the records' or PS / 16)
+        codes = channel_major(codes, D)
+        assert codes.stride(2) == 1 and (sparq_rec is None or sparq_rec.stride(1) == 1)
     if R:
         from . import channel_codes_supported
         assert channel_codes_supported(R, D) and bits == 2 and codes is not None and n_sub == 1
         assert kmean.shape[-1] == D and kmean.stride(1) == 1 and chan.dtype == torch.int32
         nc = D if sparq else R  # the channels whose codes a page row holds
-        ps = codes.shape[1] * 16 // nc
-        assert ps * nc == codes.shape[1] * 16 and ps & (ps - 1) == 0 and (ps >= 16 or not sparq)
+        ps = codes[0].numel() * 16 // nc
+        assert ps * nc == codes[0].numel() * 16 and ps & (ps - 1) == 0 and (ps >= 16 or not sparq)
         if not q.is_cuda and kmax.dtype == torch.bfloat16 and kscale is None:
             kmean = kmean.float()  # with kmin / kmax below: the interpreter's bf16 dot
     else:
@@ -334,7 +344,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         # Triton's interpreter multiplies bf16 dot operands' bit patterns (triton#11584):
         # run it in fp32 there (exact: bf16 values are fp32 values)
         q, kmin, kmax = q.float(), kmin.float(), kmax.float()
-    assert q.stride(2) == 1 and kmin.stride(1) == 1 and kmax.stride(1) == 1
+    assert q.stride(2) == 1 and kmin.stride(1) == kmax.stride(1) and (sparq or kmin.stride(1) == 1)
     page_table = page_table.to(torch.int32)  # no-ops for the engine's int32 tables
     num_pages = num_pages.to(torch.int32)
     page_table = page_table if page_table.stride(2) == 1 else page_table.contiguous()
@@ -362,6 +372,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     version = (SPARQ_KERNEL if sparq_kernel is None else sparq_kernel) if sparq else 0
     if version == 2 and (kscale is None or ps // 16 not in (1, 2, 4)):
         version = 1  # sparq_tiles: int8 means, 16 to 64 tokens a page
+    # whole-record loads: sparq_tiles with 4-word records (else their strided views)
+    rec_kind = rec_kind if version == 2 and rec_kind and sparq_rec.shape[1] == 4 * D else 0
     if version == 2:  # chunks of TILE_PAGES pages (a multiple of 16: sub-tiles of 16)
         block_w = block_w if block_w and block_w % 16 == 0 else TILE_PAGES
     block_w = block_w or (16 if R else max(1, min(16, 8192 // (ps * BLOCK_D))) if bits
@@ -378,7 +390,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     ml = torch.empty(B, Hkv, splits, 2 * GP, dtype=torch.float32, device=dev)  # split partials
     keys = torch.empty(B, Hkv, W if TILE < W else 1, dtype=torch.int32, device=dev)
     sel_warps = num_warps or (4 if TILE <= 1024 else 8 if TILE <= 4096 else 16)
-    cd = codes if bits else page_table  # any int32 tensor when unused
+    cd = (sparq_rec if rec_kind else codes) if bits else page_table  # any int32 when unused
     mean = kmean if R else kmin
     ch = chan if R else page_table
     ks = kscale.reshape(-1) if kscale is not None else kmin
@@ -399,7 +411,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                 # fp32 summaries: exact products (no TF32); 16-bit operands multiply exactly
                 # on the tensor cores whatever the setting
                 DOT_PREC="ieee" if kmax.dtype == torch.float32 else "tf32",
-                ASM=bool(asm), FAST=q.is_cuda)  # FAST: lg2.approx (not in the interpreter)
+                ASM=bool(asm), FAST=q.is_cuda,  # FAST: lg2.approx (not in the interpreter)
+                BCS=kmin.stride(1), CCS=codes.stride(1) if sparq else 1, REC=rec_kind)
     if splits == 1:
         _page_select_kernel[(B, Hkv, 1)](*args, **meta, DO_SCORE=True, DO_SELECT=True,
                                          NW=sel_warps, num_warps=sel_warps)

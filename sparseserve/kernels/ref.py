@@ -290,7 +290,8 @@ def page_mass(q, kmin, kmax, page_table, num_pages, sink_pages, local_pages, out
 
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
                  local_pages, out_pages=None, out_num=None, out_blocks=None, n_sub=1,
-                 codes=None, bits=0, kmean=None, chan=None, kscale=None, sparq_chan=None):
+                 codes=None, bits=0, kmean=None, chan=None, kscale=None, sparq_chan=None,
+                 sparq_rec=None):
     """Quest/ArkVale page selection: ``page_mass`` + kept pages + top-k, exactly
     ``SparseAlgorithm.select``'s torch path over ``Quest.score`` (the spec of
     ``page_select.select_pages``).
@@ -304,7 +305,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         kmean, chan, kscale: channel key codes (with codes): pages scored by
                        ``channel_code_page_bounds`` (kmin / kmax: the coded channels' ranges)
         sparq_chan:    [B, Hkv, R] with codes (channel-major), kmean, kscale: pages scored by
-                       ``sparq_page_bounds`` (each row decodes its R channels)
+                       ``sparq_page_bounds`` (each row decodes its R channels); ``sparq_rec``
+                       (the records kmin / kmax / codes view, ``sparq_records``) is unused
         page_table:    [B, Hkv, W] int32   all of each request's pages in order
         num_pages:     [B, Hkv] int32      valid entries of page_table (1..W)
         last_page_len: [B] int32           unused (the caller's Selection carries it)

@@ -11,6 +11,10 @@ channels it chose and no others):
   ``2 * (t % 16)`` of word ``c * page_size / 16 + t // 16`` (channel c's page_size codes are
   ``page_size / 16`` consecutive words);
 * ``kmean`` [S, D] (int8 with ``kscale`` [S, 1]: the page mean is ``kmean * kscale``).
+
+The default layout packs a page's ``kmin``, ``kmax`` and codes per channel into 16-byte records
+(``sparq_records.py``); its ``record_views`` are strided views of the records in these shapes
+(``codes`` as [S, D, page_size / 16]), which every function here takes as they are.
 """
 from __future__ import annotations
 
@@ -22,6 +26,12 @@ def unpack_channel_codes(words: torch.Tensor) -> torch.Tensor:
     shift = torch.arange(16, device=words.device) * 2
     w = words.to(torch.int64) & 0xFFFFFFFF
     return ((w.unsqueeze(-1) >> shift) & 3).flatten(-2)
+
+
+def channel_major(codes: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[S, D, page_size / 16] view of channel-major codes given as [S, D * page_size / 16]
+    (the first layout's rows) or already as [S, D, page_size / 16] (a record view)."""
+    return codes if codes.dim() == 3 else codes.view(codes.shape[0], head_dim, -1)
 
 
 def sparq_channels(q, kmin, kmax, page_table, num_pages, channels):
@@ -62,7 +72,8 @@ def sparq_page_bounds(q, kmean, kscale, kmin, kmax, codes, chosen, page_table, n
         q:          [B, Hq, D]            decode queries, Hq = Hkv * G
         kmean:      [S, D]                page means (int8 with kscale [S, 1], else any float)
         kmin, kmax: [S, D]                the codes' range per channel
-        codes:      [S, D * page_size / 16] int32, channel-major (module docstring)
+        codes:      [S, D * page_size / 16] or [S, D, page_size / 16] int32, channel-major
+                    (module docstring)
         chosen:     [B, Hkv, R] int       each row's decoded channels
         page_table: [B, Hkv, W] int32, num_pages [B, Hkv] int32
     Returns:
@@ -72,7 +83,6 @@ def sparq_page_bounds(q, kmean, kscale, kmin, kmax, codes, chosen, page_table, n
     B, Hq, D = q.shape
     _, Hkv, W = page_table.shape
     G, R = Hq // Hkv, chosen.shape[-1]
-    nwc = codes.shape[1] // D
     ok = torch.arange(W, device=q.device).view(1, 1, W) < num_pages.long().unsqueeze(-1)
     ids = torch.where(ok, page_table.long(), 0)                              # [B, Hkv, W]
     mean = kmean[ids].float()                                                # [B, Hkv, W, D]
@@ -81,7 +91,7 @@ def sparq_page_bounds(q, kmean, kscale, kmin, kmax, codes, chosen, page_table, n
     ch = chosen.long().unsqueeze(2).expand(B, Hkv, W, R)                     # [B, Hkv, W, R]
     rows = ids.unsqueeze(-1)
     lo, hi = kmin[rows, ch].float(), kmax[rows, ch].float()                  # [B, Hkv, W, R]
-    lev = (unpack_channel_codes(codes.view(-1, D, nwc)[rows, ch]).float() + 0.5) / 4
+    lev = (unpack_channel_codes(channel_major(codes, D)[rows, ch]).float() + 0.5) / 4
     dev = lo.unsqueeze(-1) + (hi - lo).unsqueeze(-1) * lev - mean.gather(-1, ch).unsqueeze(-1)
     qf = q.float().view(B, Hkv, G, D)
     base = torch.einsum("bhgd,bhwd->bhgw", qf, mean)

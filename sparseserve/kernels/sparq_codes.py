@@ -40,6 +40,7 @@ import triton.language as tl
 
 from . import channel_codes_supported as supported
 from . import patch_triton_interpreter
+from .ref_sparq import channel_major
 
 patch_triton_interpreter()
 
@@ -52,17 +53,19 @@ WIDTH_CACHE = os.environ.get("SPARSESERVE_SPARQ_WIDTH_CACHE", "1") not in ("0", 
 
 
 @triton.jit
-def _width_sum(kmin_ptr, kmax_ptr, stride_min, stride_max, pt_row, last, offs_d, d_ok,
-               BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr):
-    """[BLOCK_D] fp32: kmax - kmin summed over the row's pages 0..last (none if last < 0)."""
+def _width_sum(kmin_ptr, kmax_ptr, stride_min, stride_max, stride_bd, pt_row, last, offs_d,
+               d_ok, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr):
+    """[BLOCK_D] fp32: kmax - kmin summed over the row's pages 0..last (none if last < 0);
+    ``stride_bd``: the boxes' channel stride (1, or a record's, ``sparq_records``)."""
     acc = tl.zeros([BLOCK_W, BLOCK_D], tl.float32)
     for w0 in range(0, last + 1, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
         w_ok = offs_w <= last
         pg = tl.load(pt_row + offs_w, mask=w_ok, other=0).to(tl.int64)
         m2 = w_ok[:, None] & d_ok[None, :]
-        lo = tl.load(kmin_ptr + pg[:, None] * stride_min + offs_d[None, :], mask=m2, other=0.0)
-        hi = tl.load(kmax_ptr + pg[:, None] * stride_max + offs_d[None, :], mask=m2, other=0.0)
+        cd = offs_d[None, :] * stride_bd
+        lo = tl.load(kmin_ptr + pg[:, None] * stride_min + cd, mask=m2, other=0.0)
+        hi = tl.load(kmax_ptr + pg[:, None] * stride_max + cd, mask=m2, other=0.0)
         acc += hi.to(tl.float32) - lo.to(tl.float32)
     return tl.sum(acc, axis=0)
 
@@ -72,8 +75,8 @@ def _width_sum(kmin_ptr, kmax_ptr, stride_min, stride_max, pt_row, last, offs_d,
 @triton.jit(do_not_specialize=["stride_ptb", "stride_pth"])
 def _sparq_channels_kernel(
     q_ptr, kmin_ptr, kmax_ptr, ws_ptr, pt_ptr, np_ptr, out_ptr,
-    stride_qb, stride_qh, stride_min, stride_max, stride_ws, stride_ptb, stride_pth, stride_npb,
-    stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_min, stride_max, stride_bd, stride_ws, stride_wd, stride_ptb,
+    stride_pth, stride_npb, stride_ob, stride_oh,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr,
     BLOCK_W: tl.constexpr, USE_CACHE: tl.constexpr,
 ):
@@ -84,27 +87,29 @@ def _sparq_channels_kernel(
     pt_row = pt_ptr + b64 * stride_ptb + h * stride_pth
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
+    bd = offs_d * stride_bd  # channel offsets in the boxes and in the width sums
+    wd = offs_d * stride_wd
     t = n - 2  # the row's last full page before its last
     if USE_CACHE:
         has = t >= 0
         page_t = tl.load(pt_row + tl.maximum(t, 0), mask=has, other=0).to(tl.int64)
-        cur = tl.load(ws_ptr + page_t * stride_ws + offs_d, mask=d_ok & has, other=0.0)
+        cur = tl.load(ws_ptr + page_t * stride_ws + wd, mask=d_ok & has, other=0.0)
         cur_ok = (tl.min(tl.where(d_ok, cur, 0.0), axis=0) >= 0).to(tl.int32)  # t < 0: valid
         p_ok = t >= 1
         page_p = tl.load(pt_row + tl.maximum(t - 1, 0), mask=p_ok, other=0).to(tl.int64)
-        prev = tl.load(ws_ptr + page_p * stride_ws + offs_d, mask=d_ok & p_ok, other=-1.0)
+        prev = tl.load(ws_ptr + page_p * stride_ws + wd, mask=d_ok & p_ok, other=-1.0)
         prev_ok = (tl.min(tl.where(d_ok, prev, 0.0), axis=0) >= 0).to(tl.int32)
-        lo = tl.load(kmin_ptr + page_t * stride_min + offs_d, mask=d_ok & has, other=0.0)
-        hi = tl.load(kmax_ptr + page_t * stride_max + offs_d, mask=d_ok & has, other=0.0)
+        lo = tl.load(kmin_ptr + page_t * stride_min + bd, mask=d_ok & has, other=0.0)
+        hi = tl.load(kmax_ptr + page_t * stride_max + bd, mask=d_ok & has, other=0.0)
         width = tl.where(cur_ok != 0, cur, prev + (hi.to(tl.float32) - lo.to(tl.float32)))
         if cur_ok + prev_ok == 0:
-            width = _width_sum(kmin_ptr, kmax_ptr, stride_min, stride_max, pt_row, t, offs_d,
-                               d_ok, BLOCK_D, BLOCK_W)
+            width = _width_sum(kmin_ptr, kmax_ptr, stride_min, stride_max, stride_bd, pt_row, t,
+                               offs_d, d_ok, BLOCK_D, BLOCK_W)
         if cur_ok == 0:
-            tl.store(ws_ptr + page_t * stride_ws + offs_d, width, mask=d_ok)
+            tl.store(ws_ptr + page_t * stride_ws + wd, width, mask=d_ok)
     else:
-        width = _width_sum(kmin_ptr, kmax_ptr, stride_min, stride_max, pt_row, t, offs_d, d_ok,
-                           BLOCK_D, BLOCK_W)
+        width = _width_sum(kmin_ptr, kmax_ptr, stride_min, stride_max, stride_bd, pt_row, t,
+                           offs_d, d_ok, BLOCK_D, BLOCK_W)
     offs_g = tl.arange(0, GP)
     qa = tl.load(q_ptr + b64 * stride_qb + (h * G + offs_g[:, None]) * stride_qh
                  + offs_d[None, :], mask=(offs_g < G)[:, None] & d_ok[None, :], other=0.0)
@@ -121,11 +126,12 @@ def sparq_channels(q, kmin, kmax, wsum, page_table, num_pages, channels, out=Non
                    use_cache=None):
     """Triton version of ``ref.sparq_channels`` (same result: [B, Hkv, R] int32, by decreasing
     weight), reading and updating the width sums ``wsum`` [S, D] fp32 (module docstring;
-    ``use_cache`` False: recomputed, ``wsum`` untouched; default ``WIDTH_CACHE``)."""
+    ``use_cache`` False: recomputed, ``wsum`` untouched; default ``WIDTH_CACHE``). kmin, kmax
+    and wsum may be strided views of records (``sparq_records.record_views``)."""
     B, Hq, D = q.shape
     _, Hkv, W = page_table.shape
-    assert channels <= D and kmin.stride(1) == 1 and kmax.stride(1) == 1 and q.stride(2) == 1
-    assert wsum.dtype == torch.float32 and wsum.stride(1) == 1 and wsum.shape[1] == D
+    assert channels <= D and kmin.stride(1) == kmax.stride(1) and q.stride(2) == 1
+    assert wsum.dtype == torch.float32 and wsum.shape[1] == D
     page_table = page_table.to(torch.int32)
     num_pages = num_pages.to(torch.int32)
     if out is None:
@@ -134,8 +140,9 @@ def sparq_channels(q, kmin, kmax, wsum, page_table, num_pages, channels, out=Non
         return out
     _sparq_channels_kernel[(B, Hkv)](
         q, kmin, kmax, wsum, page_table, num_pages, out, q.stride(0), q.stride(1),
-        kmin.stride(0), kmax.stride(0), wsum.stride(0), page_table.stride(0),
-        page_table.stride(1), num_pages.stride(0), out.stride(0), out.stride(1),
+        kmin.stride(0), kmax.stride(0), kmin.stride(1), wsum.stride(0), wsum.stride(1),
+        page_table.stride(0), page_table.stride(1), num_pages.stride(0), out.stride(0),
+        out.stride(1),
         G=Hq // Hkv, GP=max(2, triton.next_power_of_2(Hq // Hkv)), D=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), R=channels, BLOCK_W=16,
         USE_CACHE=WIDTH_CACHE if use_cache is None else use_cache, num_warps=4)
@@ -147,12 +154,15 @@ def sparq_page_x(mean_ptr, lo_ptr, hi_ptr, codes_ptr, kscale_ptr, ch_row, stride
                  stride_lo, stride_hi, stride_codes, q_row, stride_qh, qt, page, ok, qk_scale,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
                  PS: tl.constexpr, R: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                 INT8_MEAN: tl.constexpr, DOT_PREC: tl.constexpr):
+                 INT8_MEAN: tl.constexpr, DOT_PREC: tl.constexpr, BCS: tl.constexpr,
+                 CCS: tl.constexpr):
     """[BLOCK_W, GP] fp32: per head g, log2-sum-exp2 over each page's tokens of
     ``qk_scale * x_gt`` (``ref.sparq_page_bounds``' logit, ``qk_scale`` = scale * log2 e) for
     the pages ``page`` [BLOCK_W] (int64; rows where ``ok`` is False read nothing). ``ch_row``:
     the row's R channels (int32); ``qt`` [BLOCK_D, GP]: the group's queries in the summary
-    dtype, zero columns past G; ``q_row``: the pointer to query head h * G."""
+    dtype, zero columns past G; ``q_row``: the pointer to query head h * G. ``BCS`` / ``CCS``:
+    the channel strides of the boxes and of the code words (1 and PS / 16 in the first layout,
+    a record's in the record layout, ``sparq_records``)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_g = tl.arange(0, GP)
     ch = tl.load(ch_row + tl.arange(0, R)).to(tl.int64)                      # [R]
@@ -166,8 +176,8 @@ def sparq_page_x(mean_ptr, lo_ptr, hi_ptr, codes_ptr, kscale_ptr, ch_row, stride
         ks = tl.load(kscale_ptr + page, mask=ok, other=0.0)
         mean = mean * ks[:, None]
         mc = mc * ks[:, None]
-    lo = tl.load(lo_ptr + page[:, None] * stride_lo + ch[None, :], mask=r_ok, other=0.0)
-    hi = tl.load(hi_ptr + page[:, None] * stride_hi + ch[None, :], mask=r_ok, other=0.0)
+    lo = tl.load(lo_ptr + page[:, None] * stride_lo + ch[None, :] * BCS, mask=r_ok, other=0.0)
+    hi = tl.load(hi_ptr + page[:, None] * stride_hi + ch[None, :] * BCS, mask=r_ok, other=0.0)
     lo = lo.to(tl.float32)
     step = (hi.to(tl.float32) - lo) * 0.25                                   # [BLOCK_W, R]
     # k^ - mean = (lo + step / 2 - mean) + step * code on a chosen channel: the first term is
@@ -180,7 +190,7 @@ def sparq_page_x(mean_ptr, lo_ptr, hi_ptr, codes_ptr, kscale_ptr, ch_row, stride
     base = tl.dot(off.to(qt.dtype), qc, acc=base, input_precision=DOT_PREC)
     # the chosen channels' codes, channel-major: NWC words per (page, channel), 16 codes each
     NWC: tl.constexpr = PS // 16
-    cptr = codes_ptr + page[:, None] * stride_codes + ch[None, :] * NWC      # [BLOCK_W, R]
+    cptr = codes_ptr + page[:, None] * stride_codes + ch[None, :] * CCS      # [BLOCK_W, R]
     if NWC == 1:
         words = tl.expand_dims(tl.load(cptr, mask=r_ok, other=0), 1)       # [BLOCK_W, 1, R]
     else:
@@ -204,7 +214,7 @@ def _sparq_scores_kernel(
     W, qk_scale, inv_qk_scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PS: tl.constexpr, R: tl.constexpr, BLOCK_W: tl.constexpr, INT8_MEAN: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, BCS: tl.constexpr, CCS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -222,7 +232,7 @@ def _sparq_scores_kernel(
     x = sparq_page_x(mean_ptr, lo_ptr, hi_ptr, codes_ptr, kscale_ptr,
                      ch_ptr + b64 * stride_chb + h * stride_chh, stride_mean, stride_lo,
                      stride_hi, stride_codes, q_row, stride_qh, qt, page.to(tl.int64), w_ok,
-                     qk_scale, D, BLOCK_D, BLOCK_W, PS, R, G, GP, INT8_MEAN, DOT_PREC)
+                     qk_scale, D, BLOCK_D, BLOCK_W, PS, R, G, GP, INT8_MEAN, DOT_PREC, BCS, CCS)
     bound = tl.where(w_ok[:, None], x * inv_qk_scale, float("-inf"))     # bound units
     o = out_ptr + b64 * stride_ob + h * stride_oh + offs_g[None, :] * stride_og + offs_w[:, None]
     tl.store(o, bound, mask=(offs_w < W)[:, None] & (offs_g[None, :] < G))
@@ -231,18 +241,21 @@ def _sparq_scores_kernel(
 def sparq_page_bounds(q, kmean, kscale, kmin, kmax, codes, chosen, page_table, num_pages,
                       out=None, block_w=16, num_warps=4):
     """Triton version of ``ref.sparq_page_bounds`` (same arguments and result:
-    [B, Hkv, G, W] float32). R = chosen.shape[-1] must pass ``kernels.channel_codes_supported``."""
+    [B, Hkv, G, W] float32; kmin / kmax / codes may be record views, ``sparq_records``).
+    R = chosen.shape[-1] must pass ``kernels.channel_codes_supported``."""
     B, Hq, D = q.shape
     _, Hkv, W = page_table.shape
     G, R = Hq // Hkv, chosen.shape[-1]
     assert supported(R, D), f"{R} decoded channels: use the reference"
-    ps = codes.shape[1] * 16 // D
-    assert ps * D == codes.shape[1] * 16 and ps & (ps - 1) == 0 and ps >= 16
+    codes = channel_major(codes, D)                                   # [S, D, PS / 16]
+    ps = codes.shape[2] * 16
+    assert ps & (ps - 1) == 0 and ps >= 16
     if not q.is_cuda and kmin.dtype == torch.bfloat16:  # the interpreter's bf16 dot (triton#11584)
         q, kmin, kmax = q.float(), kmin.float(), kmax.float()
         kmean = kmean if kscale is not None else kmean.float()
-    for t in (q, kmean, kmin, kmax, codes):
+    for t in (q, kmean, codes):
         assert t.stride(-1) == 1
+    assert kmin.stride(1) == kmax.stride(1)
     assert codes.dtype == torch.int32
     chosen = chosen.to(torch.int32)
     assert chosen.stride(2) == 1
@@ -264,5 +277,5 @@ def sparq_page_bounds(q, kmean, kscale, kmin, kmax, codes, chosen, page_table, n
         G=G, GP=max(16, triton.next_power_of_2(G)), D=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), PS=ps, R=R, BLOCK_W=block_w,
         INT8_MEAN=int8, DOT_PREC="ieee" if kmin.dtype == torch.float32 else "tf32",
-        num_warps=num_warps)
+        BCS=kmin.stride(1), CCS=codes.stride(1), num_warps=num_warps)
     return out

@@ -43,6 +43,13 @@ checked in the compiled TTGIR (the asm's layout has register bit 0 on that axis)
 GPU by ``tests/kernels/test_sparq_codes.py::test_fused_select_scores_match_reference``.
 ``SPARSESERVE_SPARQ_ASM=0`` turns it off; ``SPARSESERVE_SPARQ_KERNEL=1`` runs the first
 version (both also per call: ``select_pages(sparq_kernel=, sparq_asm=)``).
+
+Summary layouts (``sparq_records``): with 4-word records (bf16 / fp16 at page 16 or 32, the
+default) each (page, chosen channel) is one aligned 16-byte load in step 2 (box and code words
+split in registers; the page terms of step 1 load the box word alone, whose sector step 2 then
+finds in cache), about 15 sectors a page for R = 16 of D = 128 instead of ~28; otherwise, and
+for the first layout, the box and code words are loaded through their channel strides. The
+arithmetic is the same in both: the same scores bit for bit.
 """
 from __future__ import annotations
 
@@ -113,17 +120,55 @@ def _word_pair_dev_bf16(w0, w1, lo3, hi3, K: tl.constexpr, NW: tl.constexpr,
 
 
 @triton.jit
+def _rec_box(w0, w1, REC: tl.constexpr):
+    """(lo, hi) fp32 from a record's box words (``sparq_records``): ``REC`` 1 bf16 (lo the low
+    half of ``w0``: bf16 -> fp32 is a shift), 2 fp16, 3 fp32 (``w0``, ``w1``)."""
+    if REC == 1:
+        return (w0 << 16).to(tl.float32, bitcast=True), \
+            (w0 & -65536).to(tl.float32, bitcast=True)
+    elif REC == 2:
+        return (w0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32), \
+            (w0 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        return w0.to(tl.float32, bitcast=True), w1.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rec_tile(rp, m3, REC: tl.constexpr, K: tl.constexpr, NW: tl.constexpr, R: tl.constexpr):
+    """One aligned 16-byte load per record of the sub-tile (``rp`` [K, NW, R]: the records'
+    first words, 4 words each) -> (lo, hi) fp32 and the code words 0, 1 [K, NW, R] (word 1
+    only with two code words; split in registers)."""
+    rec = tl.load(rp[:, :, :, None] + tl.arange(0, 4)[None, None, None, :],
+                  mask=m3[:, :, :, None], other=0)                          # [K, NW, R, 4]
+    even, odd = tl.split(tl.reshape(rec, (K, NW, R, 2, 2)))  # words (0, 2), (1, 3)
+    r0, r2 = tl.split(even)
+    r1, r3 = tl.split(odd)
+    lo, hi = _rec_box(r0, r1, REC)
+    if REC == 3:  # box in words 0 and 1, one code word (page 16)
+        return lo, hi, r2, r3
+    else:
+        return lo, hi, r1, r2
+
+
+@triton.jit
 def sparq_score_tiles(q_row, stride_qh, mean_ptr, lo_ptr, hi_ptr, codes_ptr, kscale_ptr, ch_row,
                       stride_mean, stride_lo, stride_hi, stride_codes, pt_row, s_row, stride_sg,
                       n, c0, c1, qk_scale, magic,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                       BLOCK_D: tl.constexpr, PS: tl.constexpr, R: tl.constexpr,
                       BW: tl.constexpr, SUB: tl.constexpr, NW: tl.constexpr,
-                      ASM: tl.constexpr, FAST: tl.constexpr, DOT_PREC: tl.constexpr):
+                      ASM: tl.constexpr, FAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                      BCS: tl.constexpr, CCS: tl.constexpr, REC: tl.constexpr):
     """Score the full pages of chunks ``c0 .. c1`` (of BW pages) of one row: writes
     ``x_g = log2-sum-exp2 over the page's tokens of scale * log2(e) * logit_g`` to
     ``s_row[g, page]`` and returns the row's (max, sum of exp2(x - max)) per head [GP]
-    (module docstring). ``q_row``: query head h * G; ``ch_row``: the row's R channels."""
+    (module docstring). ``q_row``: query head h * G; ``ch_row``: the row's R channels.
+
+    Layouts (``sparq_records``): ``REC`` 0: boxes at ``lo_ptr`` / ``hi_ptr`` and code words at
+    ``codes_ptr`` with channel strides ``BCS`` / ``CCS`` (1 and PS / 16 for the first layout;
+    strided record views otherwise); ``REC`` > 0 (4-word records, the box kind
+    ``sparq_records.rec_kind``): ``codes_ptr`` is the records, read whole (lo_ptr gives the
+    dots' dtype only)."""
     DT = lo_ptr.dtype.element_ty
     NWC: tl.constexpr = PS // 16  # code words per channel and page
     K: tl.constexpr = SUB // NW
@@ -162,10 +207,18 @@ def sparq_score_tiles(q_row, stride_qh, mean_ptr, lo_ptr, hi_ptr, codes_ptr, ksc
         base = tl.dot(mean.to(DT), qt, input_precision=DOT_PREC) * ks[:, None]    # [BW, GP]
         mc = tl.load(mean_ptr + page[:, None] * stride_mean + ch[None, :], mask=need[:, None],
                      other=0)
-        lo = tl.load(lo_ptr + page[:, None] * stride_lo + ch[None, :], mask=need[:, None],
-                     other=0.0).to(tl.float32)
-        hi = tl.load(hi_ptr + page[:, None] * stride_hi + ch[None, :], mask=need[:, None],
-                     other=0.0).to(tl.float32)
+        if REC:  # the records' box words (their sectors serve the codes below too)
+            rp = codes_ptr + page[:, None] * stride_codes + ch[None, :] * 4
+            b0 = tl.load(rp, mask=need[:, None], other=0)
+            b1 = b0
+            if REC == 3:
+                b1 = tl.load(rp + 1, mask=need[:, None], other=0)
+            lo, hi = _rec_box(b0, b1, REC)
+        else:
+            lo = tl.load(lo_ptr + page[:, None] * stride_lo + ch[None, :] * BCS,
+                         mask=need[:, None], other=0.0).to(tl.float32)
+            hi = tl.load(hi_ptr + page[:, None] * stride_hi + ch[None, :] * BCS,
+                         mask=need[:, None], other=0.0).to(tl.float32)
         off = lo + 0.125 * (hi - lo) - mc.to(tl.float32) * ks[:, None]
         base = tl.dot(off.to(DT), qc, acc=base, input_precision=DOT_PREC)
         tl.store(s_row + offs_g[None, :] * stride_sg + offs_w[:, None], base,
@@ -179,17 +232,24 @@ def sparq_score_tiles(q_row, stride_qh, mean_ptr, lo_ptr, hi_ptr, codes_ptr, ksc
             b3 = tl.load(s_row + offs_g[None, None, :] * stride_sg + w2[:, :, None],
                          mask=ok2[:, :, None] & g_ok[None, None, :], other=0.0)   # [K, NW, GP]
             m3 = ok2[:, :, None]
-            lo3 = tl.load(lo_ptr + pg2[:, :, None] * stride_lo + ch[None, None, :], mask=m3,
-                          other=0.0)
-            hi3 = tl.load(hi_ptr + pg2[:, :, None] * stride_hi + ch[None, None, :], mask=m3,
-                          other=0.0)                                              # [K, NW, R]
-            wp = codes_ptr + pg2[:, :, None] * stride_codes + ch[None, None, :] * NWC
-            w0 = tl.load(wp, mask=m3, other=0)
+            if REC:  # whole records: box and code words in one vector load
+                lo3, hi3, w0, w1 = _rec_tile(
+                    codes_ptr + pg2[:, :, None] * stride_codes + ch[None, None, :] * 4,
+                    m3, REC, K, NW, R)
+                lo3, hi3 = lo3.to(DT), hi3.to(DT)  # exact: the box's own values
+            else:
+                lo3 = tl.load(lo_ptr + pg2[:, :, None] * stride_lo + ch[None, None, :] * BCS,
+                              mask=m3, other=0.0)
+                hi3 = tl.load(hi_ptr + pg2[:, :, None] * stride_hi + ch[None, None, :] * BCS,
+                              mask=m3, other=0.0)                                 # [K, NW, R]
+                wp = codes_ptr + pg2[:, :, None] * stride_codes + ch[None, None, :] * CCS
+                w0 = tl.load(wp, mask=m3, other=0)
+                if NWC > 1:
+                    w1 = tl.load(wp + 1, mask=m3, other=0)
             if NWC == 1:
                 kk = ((hi3.to(tl.float32) - lo3.to(tl.float32)) * 2097152.0)[:, :, None, :]
                 a = tl.reshape(_word_dev(w0, kk, magic, DT, FAST), (SUB * 16, R))
             elif NWC == 2:
-                w1 = tl.load(wp + 1, mask=m3, other=0)
                 if ASM:
                     dev = _word_pair_dev_bf16(w0, w1, lo3, hi3, K, NW, R)
                 else:
@@ -200,7 +260,7 @@ def sparq_score_tiles(q_row, stride_qh, mean_ptr, lo_ptr, hi_ptr, codes_ptr, ksc
             else:
                 kk = ((hi3.to(tl.float32) - lo3.to(tl.float32)) * 2097152.0)[:, :, None, :]
                 d01 = tl.join(_word_dev(w0, kk, magic, DT, FAST),
-                              _word_dev(tl.load(wp + 1, mask=m3, other=0), kk, magic, DT, FAST))
+                              _word_dev(w1, kk, magic, DT, FAST))
                 d23 = tl.join(_word_dev(tl.load(wp + 2, mask=m3, other=0), kk, magic, DT, FAST),
                               _word_dev(tl.load(wp + 3, mask=m3, other=0), kk, magic, DT, FAST))
                 a = tl.reshape(tl.join(d01, d23), (SUB * 16, R * 4))

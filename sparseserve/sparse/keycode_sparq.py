@@ -16,7 +16,13 @@ This is ``benchmarks/fidelity_keycode_channels.py``'s evaluation variant ``keyco
 (docs/results/fidelity.md: it met every issue-11 fidelity target), made an engine algorithm:
 tests/sparse/test_keycode_sparq.py holds its scores equal to the variant's.
 
-Summaries per page and KV head (layout: ``kernels/ref_sparq.py``):
+Summaries per page and KV head. **Records** (the default; ``kernels/sparq_records.py``): ``rec``
+[D records of NR int32 words, allocated in the KV dtype] -- per channel its ``kmin``, ``kmax``,
+code words and width sum in 16 bytes (bf16, page 32), so a select's R chosen channels cost one
+record each -- plus ``kmean`` and ``kscale``. ``records = False`` (``keycode2-sparq@records=0``)
+keeps the first layout, the same numbers in separate rows (``kernels/ref_sparq.py``); ``views``
+gives either as the first layout's tensors (the records' as strided views), and every kernel
+and reference reads them through channel strides, so both layouts select the same pages:
 
 * ``kmin``, ``kmax`` [D] (KV dtype): keycode2's box, the codes' range;
 * ``codes`` [D * page_size / 16] int32: 2 bits per (channel, token), **channel-major** (channel
@@ -31,16 +37,18 @@ Summaries per page and KV head (layout: ``kernels/ref_sparq.py``):
 
 Bytes per page and KV head, page 32, bf16 KV: stored ``4D + 8D + D + 4 + 4D`` = 17 D + 4
 (1092 B at D 64, 2180 B at D 128: 13.3 % of the page's K + V; keycode2 9.4 %, c4 3.3 %;
-without ``wsum`` 10.2 %). Read by a select, by the bytes it uses: ``D + 4`` (mean, scale) +
+without ``wsum`` 10.2 %); the records store exactly as much (the width sum fills the record's
+fourth word). Read by a select, by the bytes it uses: ``D + 4`` (mean, scale) +
 ``R * (2 + 2 + 8)`` (the chosen channels' box and codes) = ``68 + 12 R`` B at D 64 (260 B at
 R 16: 3.2 % of K + V, c4's 3.3 %; 324 B = 2.0 % at D 128), plus per row and step one [D] fp32
 ``wsum`` row (and every page_size steps one more row and a box). The memory system moves
 whole 32-byte sectors, though, and R channels chosen among D scatter over the page's rows:
-the mean (one sector more for the scale), 2 D / 32 box sectors of which a channel set hits
-``1 - C(D - 16, R) / C(D, R)``, D / 4 code sectors hit with ``1 - C(D - 4, R) / C(D, R)``:
-about 706 B per page at D 64, R 16 (keycode2 reads 768 B) and 1048 B at D 128 (6.4 % of K + V;
-keycode2 1536 B). A record layout per channel (box, codes, padding: 16 B, two channels per
-sector) would cut that to ~550 / ~640 B; not done: the H200 timing decides first.
+first layout, the mean (one sector more for the scale), 2 D / 32 box sectors of which a
+channel set hits ``1 - C(D - 16, R) / C(D, R)``, D / 4 code sectors hit with
+``1 - C(D - 4, R) / C(D, R)``: about 706 B per page at D 64, R 16 (keycode2 reads 768 B) and
+1048 B at D 128 (6.4 % of K + V; keycode2 1536 B). Records: the mean and scale, then D / 2
+sectors of two records each, hit with ``1 - C(D - 2, R) / C(D, R)``: ~547 B at D 64 and
+~642 B at D 128 (3.9 %; ``select_bytes_per_page``). (fp32 KV pads its records to 8 words.)
 
 ``select`` is two launches: ``kernels.sparq_channels`` (the channel choice; on CPU its torch
 reference recomputes the width sums instead of caching them) and the fused
@@ -66,7 +74,8 @@ import torch
 from sparseserve.kernels import select_pages, sparq_channels, sparq_page_bounds
 from sparseserve.kernels.ref import mass_from_bounds
 from sparseserve.kernels.ref_sparq import unpack_channel_codes
-from sparseserve.sparse.base import Selection, SparseAlgorithm, register
+from sparseserve.kernels.sparq_records import pack_records, record_views, record_words
+from sparseserve.sparse.base import LayerSummaries, Selection, SparseAlgorithm, register
 from sparseserve.sparse.keycodes import KeyCodes, pack_codes
 
 LEVELS = 4  # 2-bit codes
@@ -77,7 +86,9 @@ class KeyCodeSparQ(SparseAlgorithm):
     """keycode2's codes (channel-major) + the int8 page mean; each row decodes the R channels
     of largest |q| x summed width (module docstring)."""
 
-    summary_names = ("kmin", "kmax", "codes", "kmean", "kscale", "wsum")
+    # the record layout's (``records = False``: kmin, kmax, codes, kmean, kscale, wsum)
+    summary_names = ("rec", "kmean", "kscale")
+    records = True  # the record layout (False: the first one, for comparisons)
     bits = 2
     channels = 16  # R (at most head_dim)
     fused_select = os.environ.get("SPARSESERVE_FUSED_SELECT", "1") not in ("0", "")
@@ -89,23 +100,58 @@ class KeyCodeSparQ(SparseAlgorithm):
     def decoded_channels(self, head_dim: int) -> int:
         return min(self.channels, head_dim)
 
-    def summary_shapes(self, head_dim):
+    def summary_shapes(self, head_dim, element_size=2):
+        """Row shapes; the records' row is in KV-dtype elements, so it depends on
+        ``element_size`` (``make_summaries`` and ``summary_bytes_per_page`` pass it)."""
         if self.page_size % 16:
             raise ValueError(f"{self.name}: page_size {self.page_size} must be a multiple of 16 "
                              "(a channel's 2-bit codes fill whole int32 words)")
+        if self.records:
+            nr = record_words(element_size, self.page_size)
+            return {"rec": (head_dim * nr * 4 // element_size,), "kmean": (head_dim,),
+                    "kscale": (1,)}
         return {"kmin": (head_dim,), "kmax": (head_dim,),
                 "codes": (head_dim * self.page_size // 16,), "kmean": (head_dim,),
                 "kscale": (1,), "wsum": (head_dim,)}
 
     def summary_dtypes(self):
         return {"codes": torch.int32, "kmean": torch.int8, "kscale": torch.float32,
-                "wsum": torch.float32}
+                "wsum": torch.float32}  # rec: the KV dtype (its box's), read as int32 words
+
+    def make_summaries(self, rows, head_dim, dtype=torch.float32, device=None):
+        shapes, dts = self.summary_shapes(head_dim, dtype.itemsize), self.summary_dtypes()
+        return LayerSummaries({n: torch.zeros((rows, math.prod(s)), dtype=dts.get(n, dtype),
+                                              device=device)
+                               for n, s in shapes.items()}, shapes)
+
+    def summary_bytes_per_page(self, head_dim, element_size):
+        dts = self.summary_dtypes()
+        return sum(math.prod(s) * (dts[n].itemsize if n in dts else element_size)
+                   for n, s in self.summary_shapes(head_dim, element_size).items())
+
+    def views(self, summaries) -> dict[str, torch.Tensor | None]:
+        """Either layout as the first layout's tensors (no copies): ``kmin``, ``kmax`` [S, D],
+        ``codes`` [S, D, page_size / 16] int32, ``wsum`` [S, D] fp32 (strided views of the
+        records in the record layout), ``kmean``, ``kscale``, and ``rec`` [S, D * NR] int32
+        (the records as words; None in the first layout)."""
+        kmean, kscale = summaries["kmean"], summaries["kscale"]
+        d = kmean.shape[1]
+        if not self.records:
+            codes = summaries["codes"]
+            return {"kmin": summaries["kmin"], "kmax": summaries["kmax"],
+                    "codes": codes.view(codes.shape[0], d, -1), "wsum": summaries["wsum"],
+                    "kmean": kmean, "kscale": kscale, "rec": None}
+        rec = summaries["rec"]
+        words = rec.view(torch.int32)
+        return dict(record_views(words, rec.dtype, d, self.page_size), kmean=kmean,
+                    kscale=kscale, rec=words)
 
     def index(self, k_cache, page_ids, num_tokens, summaries, queries):
         """keycode2's box and codes (the same numbers, channel-major), the int8 mean, and the
-        page's width sum marked not yet known."""
+        page's width sum marked not yet known; the box, codes and width as whole records in
+        the record layout."""
         live = page_ids >= 0
-        rows = torch.where(live, page_ids, summaries["kmin"].shape[0] - 1).long()  # -> scratch
+        rows = torch.where(live, page_ids, summaries["kmean"].shape[0] - 1).long()  # -> scratch
         k = k_cache[torch.where(live, page_ids, 0).long()].float()   # [N, ps, D]
         n, ps, d = k.shape
         ok = torch.arange(ps, device=k.device).view(1, -1, 1) < num_tokens.view(-1, 1, 1)
@@ -116,11 +162,18 @@ class KeyCodeSparQ(SparseAlgorithm):
         code = torch.where(ok, code, 0.0).to(torch.int64)            # [N, ps, D]
         mean = torch.where(ok, k, 0.0).sum(1) / num_tokens.clamp(min=1).view(-1, 1).float()
         amax = mean.abs().amax(1, keepdim=True).clamp(min=1e-30)     # [N, 1]
-        summaries["kmin"][rows] = lo.to(summaries["kmin"].dtype)
-        summaries["kmax"][rows] = hi.to(summaries["kmax"].dtype)
-        summaries["codes"][rows] = pack_codes(code.transpose(1, 2).reshape(n, d * ps), 2)
+        words = pack_codes(code.transpose(1, 2).reshape(n, d * ps), 2)  # [N, D * ps / 16]
         summaries["kscale"][rows] = amax / 127
         summaries["kmean"][rows] = (mean / amax * 127).round().to(summaries["kmean"].dtype)
+        if self.records:
+            rec = summaries["rec"]
+            packed = pack_records(lo.to(rec.dtype), hi.to(rec.dtype), words.view(n, d, -1),
+                                  rec.view(torch.int32).shape[1] // d)
+            rec[rows] = packed.view(rec.dtype)
+            return
+        summaries["kmin"][rows] = lo.to(summaries["kmin"].dtype)
+        summaries["kmax"][rows] = hi.to(summaries["kmax"].dtype)
+        summaries["codes"][rows] = words
         # not ``wsum[rows] = -1.0``: on a CUDA tensor, a Python scalar assigned through a tensor
         # index becomes a CPU tensor copied to the GPU (index_put_), which CUDA-graph capture
         # of the decode step (that indexes the pages it fills) refuses
@@ -134,26 +187,28 @@ class KeyCodeSparQ(SparseAlgorithm):
     def approx_keys(self, summaries, rows: torch.Tensor) -> torch.Tensor:
         """[*rows.shape, page_size, D] float32: keycode2's decoded keys of the pages at
         ``rows`` (every channel)."""
-        lo = summaries["kmin"][rows].float()                                   # [..., D]
-        hi = summaries["kmax"][rows].float()
-        d = lo.shape[-1]
-        words = summaries["codes"][rows].view(*rows.shape, d, -1)
+        v = self.views(summaries)
+        lo = v["kmin"][rows].float()                                           # [..., D]
+        hi = v["kmax"][rows].float()
+        words = v["codes"][rows]                                               # [..., D, nw]
         lev = (unpack_channel_codes(words).float() + 0.5) / LEVELS            # [..., D, ps]
         return (lo.unsqueeze(-1) + (hi - lo).unsqueeze(-1) * lev).transpose(-1, -2)
 
     # ---- select ------------------------------------------------------------------------------
     def chosen_channels(self, q, page_table, num_pages, summaries) -> torch.Tensor:
         """[B, Hkv, R] int32: each row's decoded channels (``kernels.sparq_channels``)."""
-        return sparq_channels(q, summaries["kmin"], summaries["kmax"], summaries["wsum"],
-                              page_table, num_pages, self.decoded_channels(q.shape[-1]))
+        v = self.views(summaries)
+        return sparq_channels(q, v["kmin"], v["kmax"], v["wsum"], page_table, num_pages,
+                              self.decoded_channels(q.shape[-1]))
 
     def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
         """[B, Hkv, W]: approximate token attention mass per page (``kernels.sparq_page_bounds``
         over the row's channels, then ``ref.mass_from_bounds``); +inf kept / last page, -inf
         past num_pages."""
         ch = self.chosen_channels(q, page_table, num_pages, summaries)
-        u = sparq_page_bounds(q, summaries["kmean"], summaries["kscale"], summaries["kmin"],
-                              summaries["kmax"], summaries["codes"], ch, page_table, num_pages)
+        v = self.views(summaries)
+        u = sparq_page_bounds(q, v["kmean"], v["kscale"], v["kmin"], v["kmax"], v["codes"], ch,
+                              page_table, num_pages)
         return mass_from_bounds(u, num_pages, self.sink_pages, self.local_pages,
                                 q.shape[-1] ** -0.5)
 
@@ -169,31 +224,44 @@ class KeyCodeSparQ(SparseAlgorithm):
     def select_kernel(self, q, page_table, num_pages, last_page_len, summaries, backend=None):
         """The fused path's kernels on ``backend`` (benchmarks time it directly) -> pages,
         num_sel, blocks as ``kernels.select_pages`` returns them."""
-        ch = sparq_channels(q, summaries["kmin"], summaries["kmax"], summaries["wsum"],
-                            page_table, num_pages, self.decoded_channels(q.shape[-1]),
-                            backend=backend)
-        return select_pages(q, summaries["kmin"], summaries["kmax"], page_table, num_pages,
-                            last_page_len, self.budget_pages, self.sink_pages, self.local_pages,
-                            backend=backend, num_splits=self.select_splits,
-                            codes=summaries["codes"], bits=2,
-                            kmean=summaries["kmean"], kscale=summaries["kscale"], sparq_chan=ch,
-                            sparq_kernel=self.score_kernel, sparq_asm=self.decode_asm)
+        v = self.views(summaries)
+        ch = sparq_channels(q, v["kmin"], v["kmax"], v["wsum"], page_table, num_pages,
+                            self.decoded_channels(q.shape[-1]), backend=backend)
+        return select_pages(q, v["kmin"], v["kmax"], page_table, num_pages, last_page_len,
+                            self.budget_pages, self.sink_pages, self.local_pages,
+                            backend=backend, num_splits=self.select_splits, codes=v["codes"],
+                            bits=2, kmean=v["kmean"], kscale=v["kscale"], sparq_chan=ch,
+                            sparq_kernel=self.score_kernel, sparq_asm=self.decode_asm,
+                            sparq_rec=v["rec"])
 
     def select_bytes_per_page(self, head_dim: int, element_size: int,
                               sectors: bool = False) -> float:
         """Summary bytes a select reads per page of a row: the int8 mean and its scale, the
-        chosen channels' box entries and codes (``68 + 12 R`` at D 64, bf16); ``sectors``: the
-        expected bytes of the 32-byte sectors they lie in, for R channels drawn at random
-        (module docstring)."""
+        chosen channels' box entries and codes (``68 + 12 R`` at D 64, bf16; records: the R
+        whole records, ``68 + 16 R``); ``sectors``: the expected bytes of the 32-byte sectors
+        they lie in, for R channels drawn at random (module docstring)."""
         r, d = self.decoded_channels(head_dim), head_dim
         code_b = self.page_size // 4  # one channel's codes
+        rec_b = 4 * record_words(element_size, self.page_size)  # one record
         if not sectors:
-            return d + 4 + r * (2 * element_size + code_b)
+            return d + 4 + r * (rec_b if self.records else 2 * element_size + code_b)
 
         def hit(per):  # the chance that a sector of `per` channels holds a chosen one
             return 1 - math.comb(d - per, r) / math.comb(d, r) if d > per else 1.0
 
+        mean = -(-d // 32) * 32 + 32
+        if self.records:  # a record per channel: 32 // rec_b records a sector, or rec_b / 32
+            per = max(1, 32 // rec_b)
+            return mean + 32 * -(-d // per) * hit(per) * max(1, rec_b // 32)
         box_per = max(1, 32 // element_size)
         code_per = max(1, 32 // code_b)
-        return (-(-d // 32) * 32 + 32 + 2 * 32 * -(-d // box_per) * hit(box_per)
+        return (mean + 2 * 32 * -(-d // box_per) * hit(box_per)
                 + 32 * -(-d // code_per) * hit(code_per) * max(1, code_b // 32))
+
+    def select_row_bytes(self, head_dim: int, element_size: int) -> int:
+        """Summary bytes a select reads per row and step besides its pages: the channel
+        choice's cached width sums of one page ([D] fp32; records: the page's whole records,
+        where the width word lies)."""
+        if self.records:
+            return head_dim * 4 * record_words(element_size, self.page_size)
+        return head_dim * 4

@@ -208,13 +208,17 @@ def test_smoke_key_code_shortlist(tmp_path):
 def test_smoke_keycode_sparq(tmp_path):
     """keycode2-sparq is selectable: its channel choice + fused select run in the interpreter
     (the fused-path timing calls its own kernels), select what the generic path selects, and
-    are charged the int8 mean and the chosen channels' box and codes of every page (R = D = 16
-    here) plus one width-sum row, with the 32-byte sectors reported beside it. A variant
-    (``@score_kernel=1``: the first version of its score phase) runs beside it on the same
-    summaries and selects the same pages."""
+    are charged the int8 mean and the chosen channels' records of every page (R = D = 16
+    here) plus one page's records for the width sums, with the 32-byte sectors reported
+    beside it. A variant (``@score_kernel=1``: the first version of its score phase) runs
+    beside it on the same summaries and selects the same pages; ``@records=0`` (the first
+    layout: box and codes in separate rows, a width-sum row) on summaries of its own."""
+    from sparseserve.kernels.sparq_records import record_words
+
     proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(tmp_path),
                            "--contexts", "512", "--batches", "1", "--no-graph",
-                           "--algorithms", "keycode2-sparq,keycode2-sparq@score_kernel=1"],
+                           "--algorithms", "keycode2-sparq,keycode2-sparq@score_kernel=1,"
+                           "keycode2-sparq@records=0"],
                           cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -226,9 +230,13 @@ def test_smoke_keycode_sparq(tmp_path):
     ck = x["checks"]
     assert ck["ok"] and ck["fused_set_mismatch_frac"] == 0.0
     assert ck["select_set_mismatch_frac"] == 0.0
-    per_page = d + 4 + d * (2 * 4 + s["page_size"] // 4)  # fp32 box entries, 2-bit codes
-    assert x["select_bytes"] == hkv * (n * per_page + d * 4) + hkv * n * 4
+    rec = 4 * record_words(4, s["page_size"])  # fp32 box, 2-bit codes, width word, padding
+    assert x["select_bytes"] == hkv * (n * (d + 4 + d * rec) + d * rec) + hkv * n * 4
     assert x["select_sector_bytes"] >= x["select_bytes"] and _positive(x["fused_us"])
     v = {x["algorithm"]: x for x in r["rows"]}["keycode2-sparq@score_kernel=1"]
     assert v["checks"]["ok"] and v["checks"]["fused_set_mismatch_frac"] == 0.0
     assert v["select_bytes"] == x["select_bytes"] and _positive(v["fused_us"])
+    f = {x["algorithm"]: x for x in r["rows"]}["keycode2-sparq@records=0"]
+    assert f["checks"]["ok"] and f["checks"]["fused_set_mismatch_frac"] == 0.0
+    per_page = d + 4 + d * (2 * 4 + s["page_size"] // 4)  # fp32 box entries, 2-bit codes
+    assert f["select_bytes"] == hkv * (n * per_page + d * 4) + hkv * n * 4

@@ -21,7 +21,8 @@ BASE = dict(page_size=16, token_budget=64, sink_pages=1, local_pages=1, max_num_
 # (algorithm, two-tier cache): the summaries' row shapes and dtypes differ (keycode2: int32
 # codes), and with offload they cover the host pages
 CASES = [("dense", False), ("quest", False), ("arkvale", False), ("arkvale", True),
-         ("quest", True), ("keycode2", True), ("keycode2", False)]
+         ("quest", True), ("keycode2", True), ("keycode2", False),
+         ("keycode2-sparq", True)]  # records sized by the KV dtype (sparse/keycode_sparq.py)
 
 
 def with_pages(cfg, num_pages):

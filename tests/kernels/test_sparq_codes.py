@@ -18,8 +18,10 @@ NAMES = ("kmean", "kscale", "kmin", "kmax", "codes")
 
 
 def _case(npages, Hq, Hkv, D, ps, gen, dtype=torch.float32, R=16):
-    """Indexed pages of B = len(npages) rows (distinct pages), queries, table, num_pages
-    (the last KV head's rows one page shorter), the reference's channel choice."""
+    """Indexed pages of B = len(npages) rows (distinct pages) as the summaries' views
+    (``KeyCodeSparQ.views``: the record layout's, strided; ``_case.layer``: the summaries),
+    queries, table, num_pages (the last KV head's rows one page shorter), the reference's
+    channel choice."""
     B, W = len(npages), max(npages)
     P = B * Hkv * W
     alg = get_algorithm_class("keycode2-sparq")(ps, 8, 1, 2)
@@ -35,6 +37,7 @@ def _case(npages, Hq, Hkv, D, ps, gen, dtype=torch.float32, R=16):
     num[:, -1] = (num[:, -1] - 1).clamp(min=1)  # vary rows
     _case.full = table  # unmasked (every entry a page), for tests that lengthen the rows
     table = torch.where(torch.arange(W).view(1, 1, W) < num.unsqueeze(-1), table, 99999)
+    _case.layer, summ = summ, alg.views(summ)
     chosen = ref.sparq_channels(q, summ["kmin"], summ["kmax"], table, num, R)
     return alg, summ, q, table, num, chosen
 
@@ -69,7 +72,7 @@ def test_sparq_page_bounds_match_reference(Hq, Hkv, D, ps):
     fin = torch.isfinite(want)
     assert torch.equal(fin, torch.isfinite(got)) and (got[~fin] == float("-inf")).all()
     close(got[fin], want[fin], rtol=1e-4, atol=1e-3)
-    explicit = _explicit(alg, summ, q, table, num, ch)
+    explicit = _explicit(alg, _case.layer, q, table, num, ch)
     torch.testing.assert_close(want.cpu()[fin.cpu()].double(), explicit[fin.cpu()],
                                rtol=1e-5, atol=1e-4)
     assert torch.equal(dispatch(q, *s, ch, table, num, backend="torch"),
@@ -172,7 +175,8 @@ def test_fused_select_with_sparq_matches_reference(Hq, Hkv, D):
                 m = int(rn[b, h])
                 assert set(got[2][b, h, :m].tolist()) == set(rb[b, h, :m].tolist())
     last = torch.full((B,), 3, dtype=torch.int32)
-    dev = LayerSummaries({n: t.to(DEVICE) for n, t in summ.tensors.items()}, summ.shapes)
+    layer = _case.layer
+    dev = LayerSummaries({n: t.to(DEVICE) for n, t in layer.tensors.items()}, layer.shapes)
     fused = alg.select(*to_dev(q, table, num, last), dev, None)
     alg.fused_select = False
     plain = alg.select(*to_dev(q, table, num, last), dev, None)

@@ -1,7 +1,9 @@
 """``keycode2-sparq`` (``sparse/keycode_sparq.py``), the engine form of the evaluation variant
 ``keycode2-sparq-w16`` (benchmarks/fidelity_keycode_channels.py): its summaries are keycode2's
 (codes channel-major) plus the variant's int8 mean, its scores and selections equal the
-variant's on the same inputs (GQA and MHA, rows of 1 to 20 pages), teacher-forced SmolLM2
+variant's on the same inputs (GQA and MHA, rows of 1 to 20 pages) in both summary layouts
+(the per-channel records, the default, and the first layout: the same scores bit for bit, the
+same bytes stored at bf16, fewer sectors read), teacher-forced SmolLM2
 logits through both are the same, and on SmolLM2 a budget covering every page gives dense's
 tokens and logprobs. (tests/sparse/test_sparse_engine.py runs it against dense on the tiny
 model with every other algorithm; test_new_algorithms_offload.py under forced offload.)"""
@@ -40,10 +42,12 @@ def variant():
         fidelity_tail._FAST_TWINS[:] = before[1]
 
 
-def _indexed(cls, keys, ntok=None):
+def _indexed(cls, keys, ntok=None, **attrs):
     P, ps, D = keys.shape
     a = cls(ps, 8, 1, 2)
-    s = a.make_summaries(P + 1, D)
+    for key, val in attrs.items():  # e.g. records=False: keycode2-sparq's first layout
+        setattr(a, key, val)
+    s = a.make_summaries(P + 1, D, keys.dtype)
     ntok = torch.full((P,), ps, dtype=torch.int32) if ntok is None else ntok
     a.index(keys, torch.arange(P, dtype=torch.int32), ntok, s, None)
     return a, s
@@ -58,33 +62,54 @@ def _keys(P, D, seed):
 def test_summaries_are_keycode2s_channel_major(variant):
     keys, _ = _keys(5, 64, 0)
     ntok = torch.tensor([32, 1, 17, 32, 31], dtype=torch.int32)
-    a, s = _indexed(get_algorithm_class("keycode2-sparq"), keys, ntok)
     kc, ks = _indexed(get_algorithm_class("keycode2"), keys, ntok)
     v, vs = _indexed(variant, keys, ntok)
-    for n in ("kmin", "kmax"):
-        assert torch.equal(s[n], ks[n])
-    for n in ("kmean", "kscale"):
-        assert torch.equal(s[n], vs[n])
-    # channel c's 32 codes in 2 consecutive words == keycode2's token-major codes, transposed
-    token_major = unpack_codes(ks["codes"][:5], 2).view(5, 32, 64)
-    assert torch.equal(unpack_codes(s["codes"][:5], 2).view(5, 64, 32),
-                       token_major.transpose(1, 2))
-    assert torch.equal(a.approx_keys(s, torch.arange(5)), kc.approx_keys(ks, torch.arange(5)))
-    assert (s["wsum"][:5] == -1).all()
-    assert a.summary_bytes_per_page(64, 2) == 17 * 64 + 4  # 1092 B at bf16 (module docstring)
+    for records in (True, False):
+        a, s = _indexed(get_algorithm_class("keycode2-sparq"), keys, ntok, records=records)
+        w = a.views(s)
+        assert ("rec" in s.tensors) == records and (w["rec"] is not None) == records
+        for n in ("kmin", "kmax"):
+            assert torch.equal(w[n], ks[n])
+        for n in ("kmean", "kscale"):
+            assert torch.equal(w[n], vs[n])
+        # channel c's 32 codes in 2 consecutive words == keycode2's token-major codes,
+        # transposed
+        token_major = unpack_codes(ks["codes"][:5], 2).view(5, 32, 64)
+        assert torch.equal(unpack_codes(w["codes"][:5], 2).view(5, 64, 32),
+                           token_major.transpose(1, 2))
+        assert torch.equal(a.approx_keys(s, torch.arange(5)),
+                           kc.approx_keys(ks, torch.arange(5)))
+        assert (w["wsum"][:5] == -1).all()
+        # 1092 B at bf16 in both layouts (module docstring); fp32 pads the records
+        assert a.summary_bytes_per_page(64, 2) == 17 * 64 + 4
+        assert a.summary_bytes_per_page(64, 4) == (64 * 32 + 68 if records else 21 * 64 + 4)
+        assert sum(t[0].numel() * t.element_size() for t in s.tensors.values()) == \
+            a.summary_bytes_per_page(64, 4)  # what make_summaries allocates (fp32 keys)
+
+
+def test_record_layout_reads_fewer_sectors():
+    """The select's expected bytes per page (32-byte sectors, D 128, bf16, R 16): ~642 B from
+    the records, ~1048 B from the first layout (docs/results/sparse.md)."""
+    a = get_algorithm_class("keycode2-sparq")(32, 64, 1, 2)
+    new = a.select_bytes_per_page(128, 2, sectors=True)
+    a.records = False
+    old = a.select_bytes_per_page(128, 2, sectors=True)
+    assert new == pytest.approx(641.8, abs=0.5) and old == pytest.approx(1047.6, abs=0.5)
 
 
 @pytest.mark.parametrize("G,Hkv", [(3, 2), (1, 3)], ids=["gqa", "mha"])
 def test_scores_and_selection_equal_the_evaluation_variant(variant, G, Hkv):
     P, D, B, W = 60, 64, 3, 20
     keys, g = _keys(P, D, 3 + G)
-    a, s = _indexed(get_algorithm_class("keycode2-sparq"), keys)
     v, vs = _indexed(variant, keys)
     q = torch.randn(B, Hkv * G, D, generator=g)
     pt = torch.stack([torch.randperm(P, generator=g)[:W] for _ in range(B * Hkv)])
     pt = pt.view(B, Hkv, W).int()
     num_pages = torch.tensor([[20, 17, 6], [1, 20, 2], [9, 4, 13]], dtype=torch.int32)[:, :Hkv]
+    a, s = _indexed(get_algorithm_class("keycode2-sparq"), keys)
+    first, fs = _indexed(get_algorithm_class("keycode2-sparq"), keys, records=False)
     got = a.score(q, pt, num_pages, None, s, None)
+    assert torch.equal(got, first.score(q, pt, num_pages, None, fs, None))
     want = v.score(q, pt, num_pages, None, vs, None)
     fin = torch.isfinite(want)
     assert torch.equal(torch.isfinite(got), fin) and torch.equal(got[~fin], want[~fin])
