@@ -32,35 +32,6 @@ def test_cuda_graphs_equal_eager(tiny_model_dirs):
     assert [o.outputs[0].token_ids for o in graph] == [o.outputs[0].token_ids for o in eager]
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_piecewise_step_graphs_equal_one_graph(tiny_model_dirs, monkeypatch, offload):
-    """A decode step captured as 2 graphs over layer ranges (replayed in order) generates
-    the tokens one graph per step does, dense and over the two-tier cache."""
-    import sparseserve.worker.cuda_graphs as CG
-    path, _ = tiny_model_dirs["llama-gqa"]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS * 2]
-    kw = dict(device="cuda", dtype="bfloat16", page_size=16, max_num_seqs=8, max_model_len=512)
-    if offload:
-        page_bytes = 2 * 3 * 16 * 16 * 2
-        kw.update(preset="sparseserve", token_budget=64, sink_pages=1, local_pages=1,
-                  kv_cache_memory_bytes=48 * page_bytes,
-                  kv_offloading_size=400 * page_bytes / 2**30, max_num_batched_tokens=48)
-    else:
-        kw.update(kv_cache_memory_bytes=64 << 20)
-    outs = {}
-    for pieces in (1, 2):
-        monkeypatch.setattr(CG, "GRAPH_PIECES", pieces)
-        llm = LLM(path, **kw)
-        graphs = llm.engine.runner.graphs
-        assert graphs is not None, llm.engine.runner.graph_error
-        assert all(len(g) == pieces for g in graphs.graphs.values())
-        outs[pieces] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
-                                                                     use_tqdm=False)]
-        llm.engine.check_invariants()
-    assert outs[1] == outs[2]
-
-
 def test_dummy_llama3_shape_runs(tmp_path):
     llm = LLM("llama-3-8b", load_format="dummy", max_model_len=2048, max_num_seqs=8,
               kv_cache_memory_bytes=4 << 30)
