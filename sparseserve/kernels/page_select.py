@@ -58,6 +58,10 @@ NUM_SPLITS = int(os.environ.get("SPARSESERVE_SELECT_SPLITS", 0)) or None
 BLOCK_W = int(os.environ.get("SPARSESERVE_SELECT_BLOCK_W", 0)) or None
 NUM_WARPS = int(os.environ.get("SPARSESERVE_SELECT_WARPS", 0)) or None
 SPLIT_PROGRAMS_PER_SM = 2  # split mode until rows alone give this many programs per SM
+# ... and only for rows of more chunks than this: a row of a few chunks scores them in a few
+# us in one program, less than the split mode's second launch (light8 profile, fifteenth
+# session: 2 launches of ~9 us per layer at 160-page rows)
+FUSED_MAX_CHUNKS = 4
 LOG2E = 1.4426950408889634
 
 
@@ -109,7 +113,10 @@ def _page_select_kernel(
     offs_g = tl.arange(0, GP)
     if DO_SCORE:
         c0 = tl.program_id(2) * chunks_per_split
-        c1 = tl.minimum(c0 + chunks_per_split, tl.cdiv(W, BLOCK_W))
+        # chunks past the row's full pages score nothing: W is the table's width (max_model_len
+        # in pages), a short row's program stops at its own pages (none: m_run / l_run keep
+        # their initial values, which the merge and the lse treat as "no page seen")
+        c1 = tl.minimum(c0 + chunks_per_split, tl.cdiv(tl.maximum(n - 1, 0), BLOCK_W))
     if DO_SCORE and SPARQ == 2:  # sparq_tiles: the row's R channels, tensor-core layout
         m_run, l_run = sparq_score_tiles(
             q_ptr + b64 * stride_qb + h * G * stride_qh, stride_qh, mean_ptr, kmin_ptr, kmax_ptr,
@@ -258,7 +265,10 @@ def _num_sms(index) -> int:
 
 
 def _default_splits(q, rows: int, chunks: int) -> int:
-    """Programs per row for the score phase: 1 (fused) once rows alone fill the GPU."""
+    """Programs per row for the score phase: 1 (fused) once rows alone fill the GPU, or when
+    a row has at most FUSED_MAX_CHUNKS chunks."""
+    if chunks <= FUSED_MAX_CHUNKS:
+        return 1
     sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if q.is_cuda else 8
     return max(1, min(chunks, triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, rows)))

@@ -35,6 +35,7 @@ class Quest(SparseAlgorithm):
     # one fused kernel for score + kept pages + top-k (kernels.select_pages); False, or
     # SPARSESERVE_FUSED_SELECT=0 in the environment, falls back to the generic torch select
     fused_select = os.environ.get("SPARSESERVE_FUSED_SELECT", "1") not in ("0", "")
+    select_splits = None  # score programs per row (None: select_pages' heuristic / env)
     # tokens per summary box; None = the whole page. Smaller boxes (sparse/subpage.py) keep
     # page_size // box_tokens boxes per page and bound a page by the max of its boxes' bounds
     box_tokens: int | None = None
@@ -103,7 +104,8 @@ class Quest(SparseAlgorithm):
             return super().select(q, page_table, num_pages, last_page_len, summaries, k_cache)
         pages, num_sel, blocks = select_pages(
             q, summaries["kmin"], summaries["kmax"], page_table, num_pages, last_page_len,
-            self.budget_pages, self.sink_pages, self.local_pages, n_sub=self.n_sub)
+            self.budget_pages, self.sink_pages, self.local_pages, n_sub=self.n_sub,
+            num_splits=self.select_splits)
         return Selection(pages, num_sel, last_page_len, blocks)
 
 
