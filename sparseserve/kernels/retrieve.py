@@ -106,44 +106,54 @@ def _probe_kernel(pages_ptr, nsel_ptr, fresh_ptr, table_ptr, page_of_ptr, last_p
     tl.atomic_add(cnt_ptr + 1, tl.sum(counted.to(tl.int64), axis=0))
 
 
-@triton.jit
-def _resident_kernel(last_ptr, owner_ptr, resident_ptr, S, R, R_PAD: tl.constexpr,
-                     BLOCK: tl.constexpr):
+# resident and victim_key pass over every slot; with no miss this call (every selected page
+# hit: most decode steps at light load) nobody reads their output — place lays out nothing,
+# assign takes no victim — so each program returns after summing the probe's miss counts
+# (`need`, ~N / 128 int32): the launches stay (fixed graph), the slot passes go
+
+
+@triton.jit(do_not_specialize=["NEED_N"])
+def _resident_kernel(last_ptr, owner_ptr, resident_ptr, need_ptr, S, R, NEED_N,
+                     R_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """resident[r] += slots of this block owned by row r (a block histogram, then one atomic
-    per row: a few rows own most slots, so per-slot atomics would serialise)."""
-    s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = s < S
-    used = ok & (tl.load(last_ptr + s, mask=ok, other=-1) >= 0)
-    own = tl.load(owner_ptr + s, mask=ok, other=0).to(tl.int32)
-    h = tl.histogram(own, R_PAD, mask=used)
-    r = tl.arange(0, R_PAD)
-    tl.atomic_add(resident_ptr + r, h, mask=(r < R) & (h > 0))
+    per row: a few rows own most slots, so per-slot atomics would serialise); nothing when
+    sum(need_ptr[0:NEED_N]) == 0."""
+    if _sum_first(need_ptr, NEED_N, 1024) > 0:
+        s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = s < S
+        used = ok & (tl.load(last_ptr + s, mask=ok, other=-1) >= 0)
+        own = tl.load(owner_ptr + s, mask=ok, other=0).to(tl.int32)
+        h = tl.histogram(own, R_PAD, mask=used)
+        r = tl.arange(0, R_PAD)
+        tl.atomic_add(resident_ptr + r, h, mask=(r < R) & (h > 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NEED_N"])
 def _victim_key_kernel(last_ptr, owner_ptr, quota_ptr, resident_ptr, step_ptr, key_ptr,
-                       counts_ptr, hist_ptr, S, NUM_BUCKETS: tl.constexpr,
+                       counts_ptr, hist_ptr, need_ptr, S, NEED_N, NUM_BUCKETS: tl.constexpr,
                        KEYS_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """key (higher = evicted earlier): 0 used this step | 1..B in quota | B+1..2B over
     quota | 2B+1 free (kvcache/eviction.py's layout), its count, and this program's
-    histogram column hist[:, pid] (for place's offsets; key-major, see category_lru_order)."""
-    s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = s < S
-    last = tl.load(last_ptr + s, mask=ok, other=-1)
-    own = tl.load(owner_ptr + s, mask=ok, other=0)
-    step = tl.load(step_ptr)
-    free = last < 0
-    age = tl.maximum(step - last, 0)
-    over = (tl.load(resident_ptr + own, mask=ok, other=0).to(tl.int64)
-            > tl.load(quota_ptr + own, mask=ok, other=0)) & ~free
-    key = 1 + tl.minimum(age, NUM_BUCKETS - 1) + over.to(tl.int64) * NUM_BUCKETS
-    key = tl.where(free, 2 * NUM_BUCKETS + 1, key)
-    key = tl.where((age == 0) & ~free, 0, key).to(tl.int32)
-    tl.store(key_ptr + s, key, mask=ok)
-    h = tl.histogram(key, KEYS_PAD, mask=ok)
-    k = tl.arange(0, KEYS_PAD)
-    tl.store(hist_ptr + k * tl.num_programs(0) + tl.program_id(0), h)
-    tl.atomic_add(counts_ptr + k, h, mask=(k < 2 * NUM_BUCKETS + 2) & (h > 0))
+    histogram column hist[:, pid] (for place's offsets; key-major, see category_lru_order).
+    Nothing when sum(need_ptr[0:NEED_N]) == 0 (counts stay zero: place reads nothing else)."""
+    if _sum_first(need_ptr, NEED_N, 1024) > 0:
+        s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = s < S
+        last = tl.load(last_ptr + s, mask=ok, other=-1)
+        own = tl.load(owner_ptr + s, mask=ok, other=0)
+        step = tl.load(step_ptr)
+        free = last < 0
+        age = tl.maximum(step - last, 0)
+        over = (tl.load(resident_ptr + own, mask=ok, other=0).to(tl.int64)
+                > tl.load(quota_ptr + own, mask=ok, other=0)) & ~free
+        key = 1 + tl.minimum(age, NUM_BUCKETS - 1) + over.to(tl.int64) * NUM_BUCKETS
+        key = tl.where(free, 2 * NUM_BUCKETS + 1, key)
+        key = tl.where((age == 0) & ~free, 0, key).to(tl.int32)
+        tl.store(key_ptr + s, key, mask=ok)
+        h = tl.histogram(key, KEYS_PAD, mask=ok)
+        k = tl.arange(0, KEYS_PAD)
+        tl.store(hist_ptr + k * tl.num_programs(0) + tl.program_id(0), h)
+        tl.atomic_add(counts_ptr + k, h, mask=(k < 2 * NUM_BUCKETS + 2) & (h > 0))
 
 
 # sizes that change from step to step are not specialised on (== 1, % 16): a new size
@@ -242,16 +252,17 @@ def category_lru_order(last_access, owner_row, row_quota, step, num_buckets: int
     if scratch is None:  # one zeroed buffer: per-row residents, per-key counts
         scratch = torch.zeros(lru_scratch_size(R, num_buckets), dtype=torch.int32, device=dev)
     resident, counts = scratch[:R], scratch[R:R + nk]
-    _resident_kernel[grid](last_access, owner_row, resident, S, R,
+    if need is None:
+        need = torch.full((1,), S, dtype=torch.int32, device=dev)
+    _resident_kernel[grid](last_access, owner_row, resident, need, S, R, need.shape[0],
                            R_PAD=triton.next_power_of_2(R), BLOCK=BLOCK)
     key = torch.empty(S, dtype=torch.int32, device=dev)
     pad = triton.next_power_of_2(nk)
     # key-major [keys, programs]: place sums a key's row over its earlier programs
     hist = torch.empty((pad, grid[0]), dtype=torch.int32, device=dev)
     _victim_key_kernel[grid](last_access, owner_row, row_quota, resident, step, key, counts,
-                             hist, S, NUM_BUCKETS=num_buckets, KEYS_PAD=pad, BLOCK=BLOCK)
-    if need is None:
-        need = torch.full((1,), S, dtype=torch.int32, device=dev)
+                             hist, need, S, need.shape[0], NUM_BUCKETS=num_buckets,
+                             KEYS_PAD=pad, BLOCK=BLOCK)
     out = torch.empty(S, dtype=torch.int64, device=dev)
     _place_kernel[grid](key, counts, hist, need, out, S, need.shape[0], NUM_KEYS=nk,
                         KEYS_PAD=pad, BLOCK=BLOCK)
