@@ -121,6 +121,9 @@ class TwoTierCache:
         # metrics scrape needs nothing fresher)
         self.counters = LaggedCounters(min_interval_s=0.05)
         self._host_step = 0
+        # host steps whose prefill marked slots pending (begin_step ages them two steps on;
+        # decode-only steps mark none, and their begin_step skips the pass over every slot)
+        self._marked_steps: set[int] = set()
         self._step_tickets: dict[int, int] = {}  # step -> its last save ticket
         # bytes of decode write-through (GPU-direct); the saver counts the rest
         self.direct_bytes_saved = torch.zeros((), dtype=torch.long, device=device)
@@ -148,9 +151,11 @@ class TwoTierCache:
             t0 = time.perf_counter()
             self.saver.wait(ticket)
             self.save_wait_s += time.perf_counter() - t0
-        last = self.last_access
-        aged = (self.step - self.window).clamp(min=0)
-        last.copy_(torch.where(last == PENDING_SAVE + s % 2, aged, last))
+        if s - 2 in self._marked_steps:  # else nothing is pending with this parity: no pass
+            self._marked_steps.discard(s - 2)
+            last = self.last_access
+            aged = (self.step - self.window).clamp(min=0)
+            last.copy_(torch.where(last == PENDING_SAVE + s % 2, aged, last))
 
     def fence_saves_next_step(self) -> None:
         """Order every save issued up to the end of this step before the next step's device
@@ -228,6 +233,7 @@ class TwoTierCache:
         working set and go before any page a decode step used within the window."""
         last = self.last_access[layer]
         last.index_fill_(0, slots.reshape(-1), PENDING_SAVE + self._host_step % 2)
+        self._marked_steps.add(self._host_step)
         last[self.scratch_slot].fill_(-1)
 
     def save_plan(self, host_pages: np.ndarray, offsets: np.ndarray) -> SavePlan:

@@ -1,0 +1,44 @@
+"""TwoTierCache's pending-save marks (worker/offload_cache.py): slots a prefill step marks
+pending stay unevictable through the next step and become ordinary slots, aged out of the
+working-set window, at the begin_step two steps later — and only then: decode-only steps
+(no marks) leave every slot's last access untouched (begin_step skips its pass over the slots)."""
+import torch
+
+from sparseserve.config import CacheConfig
+from sparseserve.worker.offload_cache import PENDING_SAVE, TwoTierCache
+
+L, D, PS, SLOTS, HOST, ROWS = 2, 4, 2, 6, 63, 2
+
+
+def _cache() -> TwoTierCache:
+    cfg = CacheConfig(page_size=PS, num_pages=SLOTS, kv_offload=True, num_host_pages=HOST,
+                      d2h_method="gpu-direct")
+    c = TwoTierCache(cfg, L, D, ROWS, torch.float32, torch.device("cpu"))
+    c.attach_device_tier([torch.zeros(SLOTS + 1, PS, D) for _ in range(L)],
+                         [torch.zeros(SLOTS + 1, PS, D) for _ in range(L)])
+    return c
+
+
+def test_marks_age_two_steps_later_and_only_then():
+    c = _cache()
+    try:
+        for _ in range(20):  # steps whose age is past the window
+            c.begin_step()
+        slots = torch.tensor([1, 4])
+        for layer in range(L):
+            c.last_access[layer, 2] = int(c.step) - 1  # an ordinary slot, used last step
+            c.mark_saved(layer, slots)
+        marked_at = int(c.step)
+        assert (c.last_access[:, slots] == PENDING_SAVE + c._host_step % 2).all()
+        before = c.last_access.clone()
+        c.begin_step()  # s + 1: the marks stay (their saves may be in flight)
+        assert torch.equal(c.last_access, before)
+        c.begin_step()  # s + 2: aged out of the window, the other slots untouched
+        assert (c.last_access[:, slots] == max(0, marked_at + 2 - c.window)).all()
+        assert (c.last_access[:, 2] == marked_at - 1).all()
+        after = c.last_access.clone()
+        for _ in range(5):  # decode-only steps: nothing pending, nothing rewritten
+            c.begin_step()
+        assert torch.equal(c.last_access, after)
+    finally:
+        c.close()
