@@ -1,4 +1,5 @@
-"""Store each decode token's K/V into the device slot of its page (two-tier cache decode).
+"""Store K/V rows into device slots (two-tier cache): a decode step's one token per request
+(`store_decode_tokens`) and a prefill chunk's tokens (`store_token_rows`).
 
 After retrieve, the token's page is the last valid entry of its selection row, now resident in
 a slot. One program per (request, KV head) reads that slot, writes the token's K and V row
@@ -9,6 +10,12 @@ launches per layer) with one. With a stage it also copies the rows into a device
 (worker/decode_write_through.py): writing them to pinned host memory from this kernel made
 each layer's launch wait for its PCIe writes (~12 us instead of ~3 on the H200, light8
 profile, fourteenth session). Fixed grid, no host sync: capturable in a CUDA graph.
+
+A prefill chunk's rows go where retrieve mapped their pages: ``dev[slot[h, t], off[t]] =
+k[t, h]``. As a torch index_put on the chunk's [Hkv, T] transposed view that was a contiguous
+copy plus a two-index scatter per K and V (~60-100 us each for a 4,096-token MHA layer on the
+H200: profile of a layer-segmented step, fifteenth session); one launch here reads each row
+once where it lies (a strided view of the qkv output) and writes it once.
 """
 from __future__ import annotations
 
@@ -20,7 +27,8 @@ from . import patch_triton_interpreter
 
 patch_triton_interpreter()
 
-__all__ = ["store_decode_tokens", "torch_store_decode_tokens"]
+__all__ = ["store_decode_tokens", "torch_store_decode_tokens", "store_token_rows",
+           "torch_store_token_rows"]
 
 
 # sizes that change from step to step are not specialised on (== 1, % 16): a new size
@@ -94,3 +102,59 @@ def torch_store_decode_tokens(slots, num_sel, offsets, k, v, dev_k, dev_v,
         stage[0].copy_(k)
         stage[1].copy_(v)
     return last
+
+
+@triton.jit(do_not_specialize=["T"])
+def _store_rows_kernel(slots_ptr, offs_ptr, k_ptr, v_ptr, dk_ptr, dv_ptr, T, S,
+                       stride_st, stride_sh, stride_kt, stride_kh, stride_vt, stride_vh,
+                       stride_ds, stride_dt, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    h = tl.program_id(1)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < T
+    slot = tl.load(slots_ptr + h * stride_sh + t * stride_st, mask=tm, other=0).to(tl.int64)
+    off = tl.load(offs_ptr + t, mask=tm, other=0).to(tl.int64)
+    tl.device_assert(~tm | ((slot >= 0) & (slot < S)), "store_token_rows: slot out of range")
+    d = tl.arange(0, BLOCK_D)
+    m = tm[:, None] & (d < D)[None, :]
+    dst = (slot * stride_ds + off * stride_dt)[:, None] + d[None, :]
+    t64 = t.to(tl.int64)
+    x = tl.load(k_ptr + (t64 * stride_kt + h * stride_kh)[:, None] + d[None, :], mask=m)
+    tl.store(dk_ptr + dst, x, mask=m)
+    x = tl.load(v_ptr + (t64 * stride_vt + h * stride_vh)[:, None] + d[None, :], mask=m)
+    tl.store(dv_ptr + dst, x, mask=m)
+
+
+def store_token_rows(tok_slots: torch.Tensor, tok_off: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.Tensor, *,
+                     backend: str | None = None) -> None:
+    """dev_k/dev_v[tok_slots[h, t], tok_off[t]] = k/v[t, h] for every t < T, h < Hkv.
+
+    tok_slots [Hkv, T] int (any strides), tok_off [T] int (contiguous), k/v [T, Hkv, D]
+    (last dim contiguous, any row strides: e.g. column slices of the qkv output), dev_k/dev_v
+    [S, page_size, D] (contiguous). Distinct (slot, offset) pairs. Triton on CUDA tensors,
+    the torch version otherwise (``backend`` as in kernels/)."""
+    from . import resolve_backend
+    if resolve_backend(backend, k) == "torch":
+        return torch_store_token_rows(tok_slots, tok_off, k, v, dev_k, dev_v)
+    T, Hkv, D = k.shape
+    if T == 0:
+        return None
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and dev_k.is_contiguous()
+    assert dev_v.is_contiguous() and tok_slots.shape == (Hkv, T) and tok_off.shape == (T,)
+    tok_off = tok_off.contiguous()
+    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_T = max(1, min(64, 8192 // BLOCK_D))  # a [BLOCK_T, D] tile of 16-32 KB
+    grid = (triton.cdiv(T, BLOCK_T), Hkv)
+    _store_rows_kernel[grid](tok_slots, tok_off, k, v, dev_k, dev_v, T, dev_k.shape[0],
+                             tok_slots.stride(1), tok_slots.stride(0), k.stride(0),
+                             k.stride(1), v.stride(0), v.stride(1), dev_k.stride(0),
+                             dev_k.stride(1), D=D, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
+    return None
+
+
+def torch_store_token_rows(tok_slots, tok_off, k, v, dev_k, dev_v) -> None:
+    """Same contract with torch indexing (CPU engine path; the reference of the kernel)."""
+    offs = tok_off.long()[None, :]
+    dev_k[tok_slots.long(), offs] = k.transpose(0, 1)
+    dev_v[tok_slots.long(), offs] = v.transpose(0, 1)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from sparseserve.kernels import paged_decode_attention
+from sparseserve.kernels.slot_store import store_token_rows
 from sparseserve.sparse import LayerSummaries
 from sparseserve.worker.forward_context import ForwardContext, PrefillSeq
 from sparseserve.worker.offload_cache import TwoTierCache
@@ -259,8 +260,8 @@ class OffloadForwardContext(ForwardContext):
         cache.mark_saved(layer, slots)
         tok_slots = slots[:, plan["tok_entry"]]  # [Hkv, T']
         rows = plan["rows"]
-        cache.dev_k[layer][tok_slots, plan["tok_off"][None, :]] = k[rows].transpose(0, 1)
-        cache.dev_v[layer][tok_slots, plan["tok_off"][None, :]] = v[rows].transpose(0, 1)
+        store_token_rows(tok_slots, plan["tok_off"], k[rows], v[rows], cache.dev_k[layer],
+                         cache.dev_v[layer])
         return slots
 
     def _index_prefill(self, p: PrefillSeq, q: torch.Tensor, ks: torch.Tensor,

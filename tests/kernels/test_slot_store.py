@@ -1,10 +1,11 @@
-"""Decode tokens stored into the slot of their page (kernels/slot_store.py): the Triton kernel
-(compiled on CUDA, interpreted on CPU) against its torch version and a loop reference, at odd
-batch sizes and selection lengths, non-contiguous K/V rows (views of a fused QKV output)."""
+"""Decode tokens and prefill chunks stored into the slots of their pages (kernels/slot_store.py):
+the Triton kernels (compiled on CUDA, interpreted on CPU) against their torch versions and a
+loop reference, at odd sizes, non-contiguous K/V rows (views of a fused QKV output)."""
 import pytest
 import torch
 
-from sparseserve.kernels.slot_store import store_decode_tokens, torch_store_decode_tokens
+from sparseserve.kernels.slot_store import (store_decode_tokens, store_token_rows,
+                                            torch_store_decode_tokens, torch_store_token_rows)
 
 from tests.conftest import DEVICE
 
@@ -63,3 +64,35 @@ def test_store_decode_tokens_stages_rows(B, Hkv, dtype):
     plain = torch_store_decode_tokens(slots, num_sel, offs, k, v, pk, pv)
     for last, dk, dv in outs:
         assert torch.equal(last, plain) and torch.equal(dk, pk) and torch.equal(dv, pv)
+
+
+@pytest.mark.parametrize("T,Hkv,D", [(1, 1, 64), (17, 2, 128), (54, 8, 96), (97, 3, 64),
+                                     (4097, 1, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_token_rows(T, Hkv, D, dtype):
+    """A prefill chunk's rows into their pages' slots: Triton (compiled on CUDA, interpreted on
+    CPU) and torch == a loop reference; K/V as column slices of a fused QKV output, slots as a
+    column gather of the mapped pages (strided), the chunk starting mid-page; nothing else
+    written."""
+    g = torch.Generator().manual_seed(T * Hkv + D)
+    ps, start = 16, 5
+    nb = (start + T + ps - 1) // ps
+    S = Hkv * nb + 4
+    page_slots = torch.randperm(S, generator=g)[:Hkv * nb].view(Hkv, nb)
+    pos = torch.arange(start, start + T)
+    tok_slots = page_slots[:, pos // ps]              # [Hkv, T]
+    tok_off = pos % ps
+    qkv = torch.randn(T, 3 * Hkv, D, generator=g).to(dtype)
+    k, v = qkv[:, Hkv:2 * Hkv], qkv[:, 2 * Hkv:]
+    base_k = torch.randn(S, ps, D, generator=g).to(dtype)
+    base_v = torch.randn(S, ps, D, generator=g).to(dtype)
+    ref_k, ref_v = base_k.clone(), base_v.clone()
+    for t in range(T):
+        for h in range(Hkv):
+            ref_k[tok_slots[h, t], tok_off[t]] = k[t, h]
+            ref_v[tok_slots[h, t], tok_off[t]] = v[t, h]
+    for fn in (lambda *a: store_token_rows(*a, backend="triton"), torch_store_token_rows):
+        dk, dv = base_k.clone().to(DEVICE), base_v.clone().to(DEVICE)
+        fn(page_slots.to(DEVICE)[:, (pos // ps).to(DEVICE)], tok_off.to(DEVICE),
+           qkv.to(DEVICE)[:, Hkv:2 * Hkv], qkv.to(DEVICE)[:, 2 * Hkv:], dk, dv)
+        assert torch.equal(dk.cpu(), ref_k) and torch.equal(dv.cpu(), ref_v)
