@@ -127,6 +127,9 @@ def test_strided_blocks_land_the_bytes(T, start):
     hv = [filled((P, ps, D), dtype, SENTINEL, pin=PIN)]
     plan = make_save_plan(pages, offs, P, ps)
     assert T < ps * C or (dest_blocks(plan, ps)[2][:, 4] > 1).any()
+    if DEV == "cuda":  # the strided copies are the runtime's, not the per-run fallback
+        from sparseserve.transfer.memcpy2d import cuda_2d_available
+        assert cuda_2d_available()
     with make_saver("copy-engine", hk, hv) as saver:
         saver.wait(saver.save(0, k, v, plan))
         assert saver.fallback_saves == 0
