@@ -22,7 +22,7 @@ Caches other than fp32 fall back to the reference: ``embedding_bag`` needs its w
 cache's dtype, and the softmax weights must stay fp32 (the reference's precision).
 
 When the fused C++ kernel builds (``paged_decode_cpu_fused``: K and V read once in place, no
-gather, no plan; 0.52-0.62x this torch path's time per layer at batch 16 x 513-640 tokens),
+gather, no plan; 0.41-0.56x this torch path's time per layer at batch 16 x 513-640 tokens),
 ``plan_decode`` returns a plan that only carries the page table and ``decode_planned`` calls
 the kernel; the torch path above is the fallback (no compiler, ``SPARSESERVE_CPU_DECODE=torch``,
 or ``plan_decode(..., fused=False)``).
