@@ -194,6 +194,7 @@ class EngineConfig:
     dtype: str = "float32"  # compute dtype name of torch ("float32", "bfloat16", "float16")
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs
+    async_scheduling: bool = False  # launch step N + 1 before reading step N's tokens
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     extra: Mapping[str, Any] = field(default_factory=dict)
     # engine.memory_plan.MemoryPlan: the device bytes of one rank, by component (EngineArgs

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+# a token sampled by a step still on the device (async scheduling): its position is
+# scheduled, its id is filled in on the device (worker/pending_step.py)
+PENDING_TOKEN = -1
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop; names, defaults and rules follow vLLM.
@@ -106,6 +110,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # async scheduling: tokens sampled by launched steps, not appended yet (at most 1 when
+    # the scheduler runs); they count in num_tokens and read as PENDING_TOKEN
+    num_pending: int = 0
     # Layer-segmented prefill: layers [0, prefill_layer) of the current chunk are done.
     prefill_layer: int = 0
     num_preemptions: int = 0
@@ -136,7 +143,11 @@ class Request:
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without building the whole list (decode steps ask for one
-        token of a long prompt every step)."""
+        token of a long prompt every step); pending positions read PENDING_TOKEN."""
+        known = len(self.prompt_token_ids) + len(self.output_token_ids)
+        if end > known:
+            head = self.token_slice(start, known) if start < known else []
+            return head + [PENDING_TOKEN] * (end - max(start, known))
         n_prompt = len(self.prompt_token_ids)
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt:end - n_prompt]
@@ -146,7 +157,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
     @property
     def num_prompt_tokens(self) -> int:

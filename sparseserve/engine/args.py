@@ -40,6 +40,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     enforce_eager: bool = False
+    # schedule and launch step N + 1 while step N runs on the device (worker/pending_step.py)
+    async_scheduling: bool = False
     kv_offload: bool | None = None
     kv_offloading_size: float | None = None  # GiB of host DRAM for the host tier
     h2d_method: str | None = None
@@ -100,6 +102,10 @@ class EngineArgs:
                             default=d.gpu_memory_utilization)
         parser.add_argument("--seed", type=int, default=d.seed)
         parser.add_argument("--enforce-eager", action="store_true")
+        parser.add_argument("--async-scheduling", action="store_true",
+                            help="schedule and launch the next step while the current one runs "
+                                 "on the device (while a request uses penalties or a grammar, "
+                                 "steps run synchronously); one GPU only")
         parser.add_argument("--kv-offload", default=None, action=argparse.BooleanOptionalAction,
                             help="two-tier KV cache: every page in host DRAM, HBM caches the "
                                  "pages sparse decode reads")
@@ -283,7 +289,7 @@ class EngineArgs:
                                                                and self.kv_offload),
                                       working_set_window=self.working_set_window),
             sparse=sparse, device=device, dtype=dtype, seed=self.seed,
-            enforce_eager=self.enforce_eager,
+            enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
             parallel=ParallelConfig(tensor_parallel_size=tp),
         )
 
@@ -293,6 +299,9 @@ class EngineArgs:
 
         tp = self.tensor_parallel_size
         check_tp_divisible(mc, tp)
+        if self.async_scheduling and tp > 1:
+            raise ValueError("async_scheduling runs on one GPU only for now; drop "
+                             "--async-scheduling or use tensor_parallel_size=1.")
         if device == "cuda" and tp > 1:
             import torch
             n = torch.cuda.device_count()

@@ -2,6 +2,8 @@
 
 Both offer the interface LLMEngine calls:
     execute(SchedulerOutput) -> RunnerOutput
+    launch(SchedulerOutput) -> handle, collect(handle) -> RunnerOutput
+                                     (async scheduling; UniprocExecutor only)
     release(rows, request_ids, pages)
     offload_stats(fresh=True) -> dict | None   (two-tier cache counters, summed over ranks,
                                       with "total_slots" = device slots x layers; fresh=False:
@@ -50,6 +52,14 @@ class UniprocExecutor:
 
     def execute(self, out):
         return self.runner.execute(out)
+
+    def launch(self, out):
+        """Async scheduling: run the step without waiting for its tokens -> a handle."""
+        return self.runner.launch(out)
+
+    def collect(self, handle):
+        """The RunnerOutput of a launched step (waits for its tokens)."""
+        return self.runner.collect(handle)
 
     def release(self, rows, request_ids, pages) -> None:
         self.runner.release(rows, request_ids, pages)

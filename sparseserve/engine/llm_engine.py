@@ -59,9 +59,11 @@ class LLMEngine:
         self._grammar_backend = None  # sparseserve.structured.backend.GrammarBackend, lazily
         self.step_count = 0
         self.last_step_host_time_s = 0.0
+        self._inflight = None  # async scheduling: (SchedulerOutput, PendingStep) launched
         if self.config.device == "cuda":  # compile the prefill path's kernels before users do
             from sparseserve.engine.warmup import warm_up
             warm_up(self)
+            self._drain()
             self.step_count = 0
 
     @classmethod
@@ -176,22 +178,80 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler
-        out = sched.schedule()
-        if out.is_empty and sched.waiting_for_pinned_slots:
+        """One step: its outputs. With async scheduling, the next step is launched before the
+        last one's tokens are read: the outputs returned are those of the step launched by
+        the previous call (see _step_async)."""
+        if self.config.async_scheduling:
+            return self._step_async()
+        return self._step_sync()
+
+    def _step_sync(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return self._empty_step(out, progress_expected=True)
+        res = self.executor.execute(out)
+        self.scheduler.update_after_step(out, res.working_sets)
+        return self._take_outputs(out, res)
+
+    def _empty_step(self, out, progress_expected: bool) -> list[RequestOutput]:
+        if self.scheduler.waiting_for_pinned_slots:
             # slots of the last step's prefill are held until its saves land; an empty step
             # moves the worker's save fence on, and the next step has them
             self.executor.execute(out)
             return []
+        self.executor.release(out.freed_rows, out.freed_request_ids, out.freed_pages)
+        if progress_expected and self.scheduler.has_unfinished():
+            raise RuntimeError("scheduler made no progress with requests waiting; the KV "
+                               "cache is too small for a single request.")
+        return []
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule and launch step N + 1 while step N (launched by the previous call) runs on
+        the device, then read step N's tokens and return its outputs. A request's token of
+        step N is pending meanwhile (Request.num_pending; the runner feeds it to step N + 1
+        on the device). Requests whose sampling reads host state per token (penalties,
+        grammars) make the engine drain and run the step synchronously."""
+        sched = self.scheduler
+        prev, self._inflight = self._inflight, None
+        if any(r.sampling_params.has_penalties or rid in self.grammars
+               for rid, r in sched.requests.items()):
+            outputs = self._collect(prev) if prev is not None else []
+            return outputs + self._step_sync()
+        out = sched.schedule()
         if out.is_empty:
-            self.executor.release(out.freed_rows, out.freed_request_ids, out.freed_pages)
-            if sched.has_unfinished():
-                raise RuntimeError("scheduler made no progress with requests waiting; the KV "
-                                   "cache is too small for a single request.")
-            return []
-        res = self.executor.execute(out)
+            outputs = self._empty_step(out, progress_expected=prev is None)
+        else:
+            handle = self.executor.launch(out)
+            sched.update_after_step(out, None)  # positions advance now, working sets later
+            for c in out.chunks:
+                if c.sample:
+                    sched.requests[c.request_id].num_pending += 1
+            self._inflight, outputs = (out, handle), []
+        if prev is not None:
+            outputs = self._collect(prev) + outputs
+        return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        """Read the step still in flight, if any (async scheduling): its outputs."""
+        prev, self._inflight = self._inflight, None
+        return self._collect(prev) if prev is not None else []
+
+    def _collect(self, inflight) -> list[RequestOutput]:
+        """Read a launched step's tokens and take its outputs."""
+        out, handle = inflight
+        res = self.executor.collect(handle)
+        for c in out.chunks:
+            req = self.scheduler.requests.get(c.request_id)
+            if c.sample and req is not None:
+                req.num_pending -= 1
+        self.scheduler.record_working_sets(out, res.working_sets)
+        return self._take_outputs(out, res)
+
+    def _take_outputs(self, out, res) -> list[RequestOutput]:
+        """Append a finished step's tokens to its requests (stops, lengths) and build the
+        outputs of the requests it touched."""
+        sched = self.scheduler
         self.last_step_host_time_s = res.host_time_s
-        sched.update_after_step(out, res.working_sets)
         self.step_count += 1
         now = time.time()
         touched: dict[str, list[float]] = {}

@@ -125,6 +125,8 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted earlier in this loop
                 continue
+            if req.num_pending and len(req.output_token_ids) + req.num_pending >= req.max_tokens:
+                continue  # async scheduling: its pending token is its last (it finishes)
             chunk = self._plan_chunk(req, budget, inject)
             if chunk is None:
                 continue
@@ -266,7 +268,7 @@ class Scheduler:
             layer_start=l0,
             layer_end=l1,
             sample=(l1 == self.num_layers and start + n_tokens == req.num_tokens),
-            num_output_tokens=len(req.output_token_ids),
+            num_output_tokens=len(req.output_token_ids) + req.num_pending,
             slot_free=slot_free,
             first_new_chunk=first_chunk,
             new_chunks=new_chunks,
@@ -277,10 +279,7 @@ class Scheduler:
         """Advance each scheduled request's progress (before sampled tokens are appended).
         working_sets [max_num_seqs + 1]: per-row working sets the worker counted this step
         (two-tier cache; None when the step did not count them)."""
-        if working_sets is not None and self.slots is not None:
-            for c in out.chunks:
-                if c.is_decode:
-                    self.slots.record(c.request_id, working_sets[c.row])
+        self.record_working_sets(out, working_sets)
         for c in out.chunks:
             req = self.requests.get(c.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -291,6 +290,16 @@ class Scheduler:
                 req.prefill_layer = 0
                 req.num_computed_tokens += c.num_tokens
                 self._segment_tokens.pop(req.request_id, None)
+
+    def record_working_sets(self, out: SchedulerOutput,
+                            working_sets: np.ndarray | None) -> None:
+        """The working sets the worker counted in step `out` (see update_after_step), for its
+        decode requests still here (async scheduling records them a step later)."""
+        if working_sets is None or self.slots is None:
+            return
+        for c in out.chunks:
+            if c.is_decode and c.request_id in self.requests:
+                self.slots.record(c.request_id, working_sets[c.row])
 
     @property
     def num_waiting_for_slots(self) -> int:

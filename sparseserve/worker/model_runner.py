@@ -26,6 +26,7 @@ from sparseserve.worker.host_copy import to_device
 from sparseserve.worker.offload_cache import TwoTierCache
 from sparseserve.worker.offload_context import OffloadForwardContext
 from sparseserve.worker.page_directory import PageDirectory
+from sparseserve.worker.pending_step import PendingStep, fill_pending_tokens, start_token_copy
 from sparseserve.worker.prefill_attention import PaddedCausalAttention
 from sparseserve.worker.prompt_logprobs import PromptLogprobs
 from sparseserve.worker.sampler import Sampler, SamplingBatch
@@ -121,6 +122,11 @@ class ModelRunner:
             self.sparse = SparseRuntime(cfg.sparse, self.num_layers, num_ids, self.page_size,
                                         mc.head_dim, self.dtype, self.device)
         self.keep_logits = False  # evaluation: return each step's logits in RunnerOutput
+        # the last sampled tokens on the device and each request's index in them: the inputs
+        # of the next launch's pending decode rows (async scheduling, pending_step.py)
+        self._last_tokens: torch.Tensor | None = None
+        self._last_index: dict[str, int] = {}
+        self.num_pending_inputs = 0  # decode inputs fed from the device so far (async)
         # evaluation hooks (see `hooked`): set on every eager forward context
         self.on_select = None
         self.decode_attention = None
@@ -159,6 +165,31 @@ class ModelRunner:
     # ---- step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run a step and wait for its tokens."""
+        r = self._forward_step(out)
+        if isinstance(r, RunnerOutput):
+            return r
+        return self._with_prompt_logprobs(self._sample(*r))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> PendingStep:
+        """Run a step without waiting for its tokens (async scheduling): `collect` reads them.
+        Its decode rows may take their input from the previous launch's tokens on the device
+        (request.PENDING_TOKEN; worker/pending_step.py)."""
+        r = self._forward_step(out)
+        if isinstance(r, RunnerOutput):
+            return PendingStep(ready=r)
+        return self._sample_launch(*r)
+
+    def collect(self, pending: PendingStep) -> RunnerOutput:
+        """A launched step's RunnerOutput (waits for its token copy only)."""
+        if pending.ready is not None:
+            return pending.ready
+        return self._with_prompt_logprobs(self._sample_finish(pending))
+
+    def _forward_step(self, out: SchedulerOutput):
+        """A step up to its logits: -> (chunks, logits, t0) for _sample, or the RunnerOutput
+        of a step that samples nothing."""
         t0 = time.perf_counter()
         if self.cpu_threads is not None:
             self.cpu_threads.for_step(any(not c.is_decode for c in out.chunks))
@@ -196,6 +227,8 @@ class ModelRunner:
         dev = self.device
         self._np_pos, self._np_rows = np.asarray(pos), np.asarray(rows)
         input_ids = to_device(ids, torch.long, dev)
+        self.num_pending_inputs += fill_pending_tokens(input_ids, chunks, offsets,
+                                                       self._last_tokens, self._last_index)
         positions = to_device(pos, torch.long, dev)
         token_rows = to_device(rows, torch.long, dev)
 
@@ -213,11 +246,11 @@ class ModelRunner:
                                        input_ids[nd:], positions[nd:], token_rows[nd:])
                 if rest is not None:
                     logits = torch.cat([logits, rest])
-            return self._with_prompt_logprobs(self._sample(chunks, logits, t0))
+            return chunks, logits, t0
         logits = self._run_eager(chunks, offsets, input_ids, positions, token_rows)
         if logits is None:
             return self._with_prompt_logprobs(RunnerOutput(host_time_s=time.perf_counter() - t0))
-        return self._with_prompt_logprobs(self._sample(chunks, logits, t0))
+        return chunks, logits, t0
 
     def _with_prompt_logprobs(self, res: RunnerOutput) -> RunnerOutput:
         """Attach the prompt logprobs `_run_eager` launched this step (after the token copy)."""
@@ -312,6 +345,11 @@ class ModelRunner:
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
                 t0: float) -> RunnerOutput:
         """logits [N, vocab] fp32: one row per chunk with `sample`, in chunk order."""
+        return self._sample_finish(self._sample_launch(chunks, logits, t0))
+
+    def _sample_launch(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
+                       t0: float) -> PendingStep:
+        """Sample and start copying the tokens (and working sets) to the host."""
         sampling = [c for c in chunks if c.sample]
         result = RunnerOutput(logits=logits if self.keep_logits else None)
         params = [self.row_params[c.row] for c in sampling]
@@ -326,16 +364,27 @@ class ModelRunner:
                               if self.grammars else None,
                               stop_ids=stop_ids)
         s = self.sampler(logits, batch)
-        if self.offload is not None:
-            self.offload.count_working_sets()  # lands with the token copy: no extra sync
+        ws = None
+        if self.offload is not None:  # lands with the token copy: no extra sync
+            ws = self.offload.count_working_sets()
+        host, event = start_token_copy(s.token_ids)
+        # the next launch's pending decode inputs (async scheduling) are these tokens
+        self._last_tokens = s.token_ids
+        self._last_index = {c.request_id: i for i, c in enumerate(sampling)}
         result.host_time_s = time.perf_counter() - t0
-        tokens = s.token_ids.tolist()  # the step's one host sync
-        if self.offload is not None:
-            result.working_sets = self.offload.working_sets()
+        return PendingStep(result=result, sampling=sampling, batch=batch, sampled=s,
+                           host_tokens=host, event=event, working_sets=ws)
+
+    def _sample_finish(self, p: PendingStep) -> RunnerOutput:
+        """The launched step's tokens (the step's one host sync), working sets, logprobs."""
+        result, sampling = p.result, p.sampling
+        tokens = p.tokens()
+        if p.working_sets is not None:
+            result.working_sets = p.working_sets.numpy().copy()
         for c, tok in zip(sampling, tokens):
             result.token_ids[c.request_id] = tok
-        if s.sampled_logprob is not None:
-            self._collect_logprobs(result, sampling, batch, s)
+        if p.sampled.sampled_logprob is not None:
+            self._collect_logprobs(result, sampling, p.batch, p.sampled)
         return result
 
     def _feed_penalties(self, chunks: list[ScheduledChunk]) -> None:

@@ -96,9 +96,12 @@ class TwoTierCache:
         # working sets by selection (worker/selection_stamps.py)
         self.stamps = SelectionStamps(num_layers, cache.num_host_pages, cache.chunk_pages,
                                       num_rows, device)
-        # working set per row (pages per layer, max over layers), read one step late
-        self._ws_host = torch.zeros(num_rows + 1, dtype=torch.long,
-                                    pin_memory=device.type == "cuda")
+        # working set per row (pages per layer, max over layers), read one step late; two
+        # buffers used in turn: with async scheduling a step's copy is read after the next
+        # step's has started
+        self._ws_host = [torch.zeros(num_rows + 1, dtype=torch.long,
+                                     pin_memory=device.type == "cuda") for _ in range(2)]
+        self._ws_turn = 0
         self.loader = PageLoader(cache.h2d_method)
         # retrieve through the fused Triton kernels (GPU); tests set it on CPU tensors too,
         # which runs them in Triton's interpreter
@@ -216,15 +219,19 @@ class TwoTierCache:
         src = quotas.pin_memory() if dev.type == "cuda" else quotas
         self.row_quota.copy_(src, non_blocking=True)
 
-    def count_working_sets(self) -> None:
+    def count_working_sets(self) -> torch.Tensor:
         """Start counting each row's working set: the pages it selected in the last `window`
-        decode steps (resident or not), max over layers -> a pinned host buffer, copied
-        without a sync (valid once the step's token copy has synchronised; `working_sets`)."""
-        self._ws_host.copy_(self.stamps.counts(self.window).amax(0), non_blocking=True)
+        decode steps (resident or not), max over layers -> a pinned host buffer [num_rows + 1]
+        int64 (returned), copied without a sync: valid once the step's token copy has
+        synchronised (`working_sets`), until the call after next overwrites it."""
+        self._ws_turn ^= 1
+        buf = self._ws_host[self._ws_turn]
+        buf.copy_(self.stamps.counts(self.window).amax(0), non_blocking=True)
+        return buf
 
     def working_sets(self) -> np.ndarray:
         """[num_rows + 1] int64 per-row working sets of the last `count_working_sets` call."""
-        return self._ws_host.numpy().copy()
+        return self._ws_host[self._ws_turn].numpy().copy()
 
     def mark_saved(self, layer: int, slots: torch.Tensor) -> None:
         """Slots a prefill wrote this step (their pages are being saved): pending until the
