@@ -11,7 +11,8 @@ Traces (greedy, ignore_eos; every request arrives at t=0 unless --request-rate i
 Configurations: the presets (dense, sparse, sparse-offload, sparseserve) and ablations of the
 full system (sparseserve-chunked: no layer-segmented prefill; sparseserve-no-wc: no
 working-set control; sparseserve-flashd2h: prefill saves by FlashD2H's CPU scatter instead of
-the preset's GPU-direct writes; sparseserve-copyengine: by the copy engine). The device KV
+the preset's GPU-direct writes; sparseserve-copyengine: by the copy engine; dense-async,
+sparseserve-async: with async scheduling). The device KV
 budget is the same for all (default 20 GiB, an A100-40GB-like budget); the host tier is sized
 for the trace. Ratios are to `dense` in the same run.
 
@@ -46,6 +47,9 @@ CONFIGS = {
     "sparseserve-flashd2h": dict(preset="sparseserve", d2h_method="flash"),
     # prefill saves by the copy engine (DMA per run of host rows, no SMs) instead of GPU-direct
     "sparseserve-copyengine": dict(preset="sparseserve", d2h_method="copy-engine"),
+    # the next step scheduled and launched while the current one runs (async scheduling)
+    "dense-async": dict(preset="dense", async_scheduling=True),
+    "sparseserve-async": dict(preset="sparseserve", async_scheduling=True),
 }
 TRACES = ("mix40", "long32", "light8")
 

@@ -39,13 +39,16 @@ class StepRecorder:
         self.profile_steps = set(profile_steps)
         self.last: dict = {}
         self.history: list[dict] = []  # per step: decode rows, prefill token-layers, exec_s
-        self._original = runner.execute
+        # execute (a step to its tokens) and, with async scheduling, launch (a step without
+        # waiting: its exec_s is host time only) are recorded alike
+        self._originals = {"execute": runner.execute, "launch": getattr(runner, "launch", None)}
         self.compiled: list[str] = []  # names of the Triton kernels compiled so far
 
     def _on_compile(self, *args, **kwargs):
         self.compiled.append(str(kwargs.get("repr", "?")).split("[")[0])
 
-    def _execute(self, out):
+    def _execute(self, out, fn=None):
+        fn = fn or self._originals["execute"]
         pre_chunks = [c for c in out.chunks if not c.is_decode]
         self.last = {"decode": len(out.chunks) - len(pre_chunks),
                      "prefill_token_layers": sum(c.num_tokens * (c.layer_end - c.layer_start)
@@ -59,9 +62,9 @@ class StepRecorder:
         prof = None
         try:
             if len(self.history) in self.profile_steps:
-                result, prof = profiled(lambda: self._original(out))
+                result, prof = profiled(lambda: fn(out))
                 return result
-            return self._original(out)
+            return fn(out)
         finally:
             self.last.update(exec_s=time.perf_counter() - t0, compiled=self.compiled[c0:],
                              replay_s=self._replay_s)
@@ -88,6 +91,8 @@ class StepRecorder:
     def __enter__(self):
         import torch
         self.runner.execute = self._execute
+        if self._originals["launch"] is not None:
+            self.runner.launch = lambda out: self._execute(out, self._originals["launch"])
         self._hook = _set_compile_hook(self._on_compile)
         self._replay_s = 0.0
         self._replay = torch.cuda.CUDAGraph.replay
@@ -97,6 +102,7 @@ class StepRecorder:
     def __exit__(self, *exc):
         import torch
         self.runner.__dict__.pop("execute", None)
+        self.runner.__dict__.pop("launch", None)
         _set_compile_hook(self._hook)
         torch.cuda.CUDAGraph.replay = self._replay
 
@@ -243,7 +249,8 @@ def run_trace(engine, trace: list[dict], device: str, stop_at: float,
                 outs, prof = profiled_step(engine)
             else:
                 outs = engine.step()
-            C.synchronize(device)
+            if not engine.config.async_scheduling:  # it keeps a step in flight on purpose
+                C.synchronize(device)
             now = time.perf_counter()
             for o in outs:
                 times = token_times.setdefault(o.request_id, [])
