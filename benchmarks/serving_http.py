@@ -7,6 +7,7 @@ at the same rate and writes one JSON (every bench result, the server commands).
   # one H200, LWM-7B shape, dummy weights, 20 GiB device KV (serving.md's setup, fewer requests)
   python benchmarks/serving_http.py --out $OUT/serving_http.json --model lwm-7b \\
       --presets sparseserve,dense --request-rate 2 --num-prompts 16
+  # a preset with "+async" runs the server with --async-scheduling (e.g. dense+async)
   python benchmarks/serving_http.py --out /tmp/h.json --smoke      # tiny model on the CPU
 
 The in-process sweep (benchmarks/serving.py) measures the same quantities without HTTP; this
@@ -42,6 +43,10 @@ def free_port() -> int:
 
 
 def server_command(a, model: str, preset: str, port: int) -> list[str]:
+    """`preset` is a preset name, or one with "+async": the server with --async-scheduling."""
+    preset, _, mode = preset.partition("+")
+    if mode not in ("", "async"):
+        raise ValueError(f"unknown preset modifier +{mode} (only +async)")
     cmd = [sys.executable, "-m", "sparseserve.cli", "serve", model, "--port", str(port),
            "--preset", preset, "--max-model-len", str(a.max_model_len),
            "--max-num-seqs", str(a.max_num_seqs),
@@ -54,6 +59,8 @@ def server_command(a, model: str, preset: str, port: int) -> list[str]:
         cmd += ["--token-budget", str(a.token_budget)]
     if preset in ("sparse-offload", "sparseserve"):
         cmd += ["--kv-offloading-size", str(a.host_gib)]
+    if mode == "async":
+        cmd += ["--async-scheduling"]
     if a.smoke:
         cmd += ["--device", "cpu", "--dtype", "float32"]
     return cmd

@@ -1,6 +1,8 @@
 """benchmarks/serving_http.py --smoke: a real `sparseserve serve` per preset on a tiny dummy
 model (no tokenizer: token-id prompts, so the client asks for logprobs to see each token
-arrive), `bench serve` over HTTP against it, the server stopped, ratios to dense printed."""
+arrive), `bench serve` over HTTP against it, the server stopped, ratios to dense printed;
+the sparseserve preset once more with --async-scheduling (the server's loop with outputs a
+step behind the launches)."""
 import json
 import os
 import subprocess
@@ -17,14 +19,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_serving_http_smoke(tmp_path):
     out = tmp_path / "h.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "serving_http.py"),
-                           "--smoke", "--out", str(out)],
+                           "--smoke", "--out", str(out),
+                           "--presets", "sparseserve,dense,sparseserve+async"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert list(r["presets"]) == ["sparseserve", "dense"]
+    assert list(r["presets"]) == ["sparseserve", "dense", "sparseserve+async"]
     for name, rec in r["presets"].items():
         res = rec["result"]
-        assert "--preset " + name in rec["server_command"] and rec["start_s"] > 0
+        preset, _, mode = name.partition("+")
+        assert "--preset " + preset in rec["server_command"] and rec["start_s"] > 0
+        assert ("--async-scheduling" in rec["server_command"]) == (mode == "async")
         assert res["completed"] == 4 and res["failed"] == 0
         # tokens stream although the model has no tokenizer: the first token comes before the
         # end and gaps follow it. A chunk may carry several tokens when the server's stream
