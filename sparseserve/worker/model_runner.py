@@ -5,6 +5,7 @@ active at each layer, sample. The only host sync per step is the final token cop
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from sparseserve.worker.host_copy import to_device
 from sparseserve.worker.offload_cache import TwoTierCache
 from sparseserve.worker.offload_context import OffloadForwardContext
 from sparseserve.worker.page_directory import PageDirectory
-from sparseserve.worker.pending_step import PendingStep, fill_pending_tokens, start_token_copy
+from sparseserve.worker.pending_step import PendingStep, fill_pending_tokens, start_host_copy
 from sparseserve.worker.prefill_attention import PaddedCausalAttention
 from sparseserve.worker.prompt_logprobs import PromptLogprobs
 from sparseserve.worker.sampler import Sampler, SamplingBatch
@@ -367,13 +368,15 @@ class ModelRunner:
         ws = None
         if self.offload is not None:  # lands with the token copy: no extra sync
             ws = self.offload.count_working_sets()
-        host, event = start_token_copy(s.token_ids)
+        names = ("token_ids", "top_logprobs", "top_ids", "sampled_logprob", "sampled_rank")
+        hosts, event = start_host_copy([getattr(s, n) for n in names])
         # the next launch's pending decode inputs (async scheduling) are these tokens
         self._last_tokens = s.token_ids
         self._last_index = {c.request_id: i for i, c in enumerate(sampling)}
         result.host_time_s = time.perf_counter() - t0
-        return PendingStep(result=result, sampling=sampling, batch=batch, sampled=s,
-                           host_tokens=host, event=event, working_sets=ws)
+        return PendingStep(result=result, sampling=sampling, batch=batch,
+                           sampled=dataclasses.replace(s, **dict(zip(names, hosts))),
+                           host_tokens=hosts[0], event=event, working_sets=ws)
 
     def _sample_finish(self, p: PendingStep) -> RunnerOutput:
         """The launched step's tokens (the step's one host sync), working sets, logprobs."""

@@ -6,8 +6,8 @@ per decode step on the H200, the GPU idle meanwhile: serving.md, fifteenth sessi
 the device's work. Step N + 1 is scheduled before step N's tokens are known, so a decode row
 whose input is step N's token carries `request.PENDING_TOKEN`; the runner takes that token
 from step N's sampled tokens on the device (`fill_pending_tokens`), never from the host.
-The step's tokens (and the two-tier cache's working sets) are copied to pinned host memory
-when it is launched and read when it is collected (`PendingStep`).
+The step's tokens, their logprobs (and the two-tier cache's working sets) are copied to
+pinned host memory when it is launched and read when it is collected (`PendingStep`).
 """
 from __future__ import annotations
 
@@ -43,16 +43,23 @@ class PendingStep:
         return self.host_tokens.tolist()
 
 
-def start_token_copy(token_ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """token_ids [n] on the device -> (pinned host copy in flight, its CUDA event; None on
-    CPU, where the copy is done on return)."""
-    if token_ids.device.type != "cuda":
-        return token_ids.clone(), None
-    host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-    host.copy_(token_ids, non_blocking=True)
+def start_host_copy(tensors: list[torch.Tensor | None]) -> tuple[list, Any]:
+    """Device tensors (None: skipped) -> (their pinned host copies in flight, one CUDA event
+    after them; None on CPU, where the copies are done on return). Reading the copies after
+    the event does not wait for work queued later (the next step's)."""
+    if not any(t is not None and t.device.type == "cuda" for t in tensors):
+        return [None if t is None else t.clone() for t in tensors], None
+    hosts = []
+    for t in tensors:
+        if t is None:
+            hosts.append(None)
+            continue
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        hosts.append(host)
     event = torch.cuda.Event()
     event.record()
-    return host, event
+    return hosts, event
 
 
 def fill_pending_tokens(input_ids: torch.Tensor, chunks, offsets: list[int],

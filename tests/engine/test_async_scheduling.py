@@ -113,3 +113,20 @@ def test_async_scheduling_needs_one_gpu(tiny_model_dirs):
     path, _ = tiny_model_dirs["llama-gqa"]
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(path, device="cpu", async_scheduling=True, tensor_parallel_size=2)
+
+
+def test_logprobs_run_ahead(tiny_model_dirs):
+    """Requests asking for logprobs run ahead too (the logprobs travel with the tokens'
+    pinned copy) and get the synchronous engine's values."""
+    path, _ = tiny_model_dirs["llama-gqa"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    got = {}
+    for mode in (False, True):
+        llm = LLM(path, device="cpu", dtype="float32", page_size=16, max_model_len=320,
+                  max_num_seqs=8, async_scheduling=mode)
+        outs = llm.generate(_prompts(4), params, use_tqdm=False)
+        got[mode] = [[{t: round(lp.logprob, 5) for t, lp in d.items()}
+                      for d in o.outputs[0].logprobs] for o in outs]
+        if mode:
+            assert llm.engine.runner.num_pending_inputs > 0
+    assert got[True] == got[False] and all(len(x) == 12 for x in got[True])
