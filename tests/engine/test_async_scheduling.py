@@ -130,3 +130,19 @@ def test_logprobs_run_ahead(tiny_model_dirs):
         if mode:
             assert llm.engine.runner.num_pending_inputs > 0
     assert got[True] == got[False] and all(len(x) == 12 for x in got[True])
+
+
+def test_embedded_model_stop_strings_and_n(smollm2_llm):
+    """The embedded SmolLM2 with a tokenizer: stop strings (found by the detokenizer a step
+    after the token was launched past) and n > 1 give the synchronous engine's texts."""
+    prompts = ["The capital of France is", "List three colors:", "Once upon a time"]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, stop=[".", "\n"]),
+              SamplingParams(temperature=0.7, seed=3, n=2, max_tokens=16),
+              SamplingParams(temperature=0.0, max_tokens=20)]
+    sync = smollm2_llm.generate(prompts, params, use_tqdm=False)
+    llm = LLM(max_num_seqs=8, async_scheduling=True)
+    asy = llm.generate(prompts, params, use_tqdm=False)
+    key = lambda outs: [[(c.text, c.finish_reason, c.stop_reason) for c in o.outputs]  # noqa: E731
+                        for o in outs]
+    assert key(asy) == key(sync)
+    assert llm.engine.runner.num_pending_inputs > 0
