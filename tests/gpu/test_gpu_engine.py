@@ -32,6 +32,38 @@ def test_cuda_graphs_equal_eager(tiny_model_dirs):
     assert [o.outputs[0].token_ids for o in graph] == [o.outputs[0].token_ids for o in eager]
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_async_scheduling_equals_sync_with_graphs(tiny_model_dirs, offload):
+    """On the GPU (CUDA graphs, pinned token copies, device-fed pending inputs) async
+    scheduling generates the synchronous engine's tokens, dense and over the two-tier cache,
+    with stop tokens ending requests while their next step is in flight."""
+    path, _ = tiny_model_dirs["llama-gqa"]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS * 2]
+    kw = dict(device="cuda", dtype="bfloat16", page_size=16, max_num_seqs=8, max_model_len=512)
+    if offload:
+        page_bytes = 2 * 3 * 16 * 16 * 2
+        kw.update(preset="sparseserve", token_budget=64, sink_pages=1, local_pages=1,
+                  kv_cache_memory_bytes=64 * page_bytes,
+                  kv_offloading_size=400 * page_bytes / 2**30, max_num_batched_tokens=48)
+    else:
+        kw.update(kv_cache_memory_bytes=64 << 20)
+    base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    first = LLM(path, **kw).generate(prompts, base, use_tqdm=False)
+    stops = sorted({o.outputs[0].token_ids[7] for o in first[:3]})
+    params = [SamplingParams(temperature=0.0, max_tokens=20 + i, stop_token_ids=stops)
+              for i in range(len(prompts))]
+    outs = {}
+    for mode in (False, True):
+        llm = LLM(path, async_scheduling=mode, **kw)
+        assert llm.engine.runner.graphs is not None, llm.engine.runner.graph_error
+        outs[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                      for o in llm.generate(prompts, params, use_tqdm=False)]
+        if mode:
+            assert llm.engine.runner.num_pending_inputs > 0
+        llm.engine.check_invariants()
+    assert outs[True] == outs[False]
+
+
 def test_dummy_llama3_shape_runs(tmp_path):
     llm = LLM("llama-3-8b", load_format="dummy", max_model_len=2048, max_num_seqs=8,
               kv_cache_memory_bytes=4 << 30)
