@@ -39,14 +39,14 @@ def test_async_scheduling_equals_sync_with_graphs(tiny_model_dirs, offload):
     with stop tokens ending requests while their next step is in flight."""
     path, _ = tiny_model_dirs["llama-gqa"]
     prompts = [{"prompt_token_ids": p} for p in PROMPTS * 2]
-    kw = dict(device="cuda", dtype="bfloat16", page_size=16, max_num_seqs=8, max_model_len=512)
-    if offload:
+    kw = dict(device="cuda", dtype="bfloat16", page_size=16, max_num_seqs=8)
+    if offload:  # test_stats_lag.py's two-tier setup (it fits its prompts on the H200)
         page_bytes = 2 * 3 * 16 * 16 * 2
         kw.update(preset="sparseserve", token_budget=64, sink_pages=1, local_pages=1,
-                  kv_cache_memory_bytes=64 * page_bytes,
+                  kv_cache_memory_bytes=48 * page_bytes, max_model_len=320,
                   kv_offloading_size=400 * page_bytes / 2**30, max_num_batched_tokens=48)
     else:
-        kw.update(kv_cache_memory_bytes=64 << 20)
+        kw.update(kv_cache_memory_bytes=64 << 20, max_model_len=512)
     base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     first = LLM(path, **kw).generate(prompts, base, use_tqdm=False)
     stops = sorted({o.outputs[0].token_ids[7] for o in first[:3]})
