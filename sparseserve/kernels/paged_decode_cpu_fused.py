@@ -307,6 +307,8 @@ def _load():
         return None
     try:
         from torch.utils.cpp_extension import load_inline
+        log.info("loading the fused CPU paged decode kernel (compiled on first use, ~30 s; "
+                 "cached by torch)")
         cap = torch.backends.cpu.get_cpu_capability().lower()
         _module = load_inline(
             name=f"{_NAME}_{cap}", cpp_sources=[_SOURCE],
