@@ -302,6 +302,9 @@ class EngineArgs:
         if self.async_scheduling and tp > 1:
             raise ValueError("async_scheduling runs on one GPU only for now; drop "
                              "--async-scheduling or use tensor_parallel_size=1.")
+        if self.async_scheduling and device != "cuda":
+            logger.warning("async_scheduling overlaps nothing on %s (its ops run as they are "
+                           "issued): steps run one ahead, with the same results", device)
         if device == "cuda" and tp > 1:
             import torch
             n = torch.cuda.device_count()
