@@ -1,4 +1,5 @@
-"""A step launched without waiting for its tokens (async scheduling, engine/llm_engine.py).
+"""What a ModelRunner step returns (`RunnerOutput`), and a step launched without waiting for
+its tokens (async scheduling, engine/llm_engine.py).
 
 With `async_scheduling` the engine schedules and launches step N + 1 while step N runs on the
 device, then reads step N's tokens: the host's scheduling, input staging and launch (~0.8 ms
@@ -19,6 +20,22 @@ import torch
 
 from sparseserve.request import PENDING_TOKEN
 from sparseserve.worker.host_copy import to_device
+
+
+@dataclass
+class RunnerOutput:
+    """Sampled tokens of the chunks that sampled, keyed by request id."""
+
+    token_ids: dict[str, int] = field(default_factory=dict)
+    # request id -> {token_id: (logprob, rank)} for the sampled position
+    logprobs: dict[str, dict[int, tuple[float, int]]] = field(default_factory=dict)
+    # request id -> (first prompt position, {token_id: (logprob, rank)} per position) for
+    # requests with prompt_logprobs whose prefill ran this step (see prompt_logprobs.py)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, tuple[float, int]]]]] = field(default_factory=dict)
+    host_time_s: float = 0.0  # time the CPU spent preparing and launching (before the sync)
+    logits: torch.Tensor | None = None  # [N, vocab] fp32 of the sampled rows (keep_logits)
+    # two-tier cache: [max_num_seqs + 1] per-row working sets (slots per layer) counted this step
+    working_sets: np.ndarray | None = None
 
 
 @dataclass
