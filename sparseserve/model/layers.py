@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparseserve.kernels import rms_norm_cpu_fused as cpu_norm
 from sparseserve.model.cpu_linear import linear, silu_mul
 
 
@@ -34,6 +35,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # One fused op (x * rsqrt(mean(x^2) + eps) * weight) where no cast is needed.
     shape = (x.shape[-1],)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # on CPU one C++ pass instead of F.rms_norm's composite (pow, mean, add, rsqrt, mul)
+        if cpu_norm.usable(x, weight):
+            return cpu_norm.add_rms_norm(x, None, weight, eps)[0]
         return F.rms_norm(x, shape, weight, eps)
     return weight * F.rms_norm(x.float(), shape, eps=eps).to(x.dtype)
 
