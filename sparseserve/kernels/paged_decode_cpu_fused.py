@@ -35,12 +35,9 @@ switches it in-process, for A/B runs).
 """
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 
-log = logging.getLogger(__name__)
+from .cpu_extension import CpuExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -292,33 +289,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 """
 
-_NAME = "sparseserve_paged_decode_cpu_v4"
-_module = None
-_failed = False
-
-
-def _load():
-    """The compiled extension, or None (no compiler, or disabled); tries to build once."""
-    global _module, _failed
-    if _module is not None or _failed:
-        return _module
-    if os.environ.get("SPARSESERVE_CPU_DECODE", "").lower() == "torch":
-        _failed = True
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-        log.info("loading the fused CPU paged decode kernel (compiled on first use, ~30 s; "
-                 "cached by torch)")
-        cap = torch.backends.cpu.get_cpu_capability().lower()
-        _module = load_inline(
-            name=f"{_NAME}_{cap}", cpp_sources=[_SOURCE],
-            functions=["paged_decode", "has_avx512"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-            verbose=False)
-    except Exception as e:  # no g++/ninja, headers missing, ...: the torch path stays
-        log.warning("fused CPU paged decode kernel unavailable, using the torch path: %s", e)
-        _failed = True
-    return _module
+_EXT = CpuExtension("sparseserve_paged_decode_cpu_v4", _SOURCE, ["paged_decode", "has_avx512"],
+                   "SPARSESERVE_CPU_DECODE", "fused CPU paged decode kernel")
 
 
 _enabled = True
@@ -333,19 +305,19 @@ def set_enabled(on: bool) -> None:
 
 def available() -> bool:
     """True when the fused kernel is built (building it on the first call) and enabled."""
-    return _enabled and _load() is not None
+    return _enabled and _EXT.get() is not None
 
 
 def vectorised() -> bool:
     """True when the built kernel has its AVX-512 path (False: only the scalar path)."""
-    return _load() is not None and bool(_module.has_avx512())
+    return _EXT.get() is not None and bool(_EXT.module.has_avx512())
 
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether ``paged_decode_fused`` takes these tensors (CPU, fp32, contiguous; built)."""
     return (q.dtype == torch.float32 and k_cache.dtype == torch.float32
             and v_cache.dtype == torch.float32 and not q.is_cuda and not k_cache.is_cuda
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and _load() is not None)
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and _EXT.get() is not None)
 
 
 def paged_decode_fused(q, k_cache, v_cache, page_table, num_pages, last_page_len, scale,
@@ -353,7 +325,7 @@ def paged_decode_fused(q, k_cache, v_cache, page_table, num_pages, last_page_len
     """q [B, Hq, D] fp32, k_cache / v_cache [P, ps, D] fp32 contiguous, page_table [B, Hkv, W]
     int32, num_pages [B, Hkv] int32, last_page_len [B] int32 -> [B, Hq, D]. Call ``usable``
     first. ``generic`` forces the scalar path."""
-    mod = _load()
+    mod = _EXT.get()
     if mod is None:
         raise RuntimeError("the fused CPU paged decode kernel is not built (see usable())")
     return mod.paged_decode(q.contiguous(), k_cache, v_cache, page_table, num_pages,

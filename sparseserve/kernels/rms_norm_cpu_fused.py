@@ -26,12 +26,9 @@ keeps ``F.rms_norm``; ``set_enabled`` switches it in-process for A/B runs.
 """
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 
-log = logging.getLogger(__name__)
+from .cpu_extension import CpuExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -163,33 +160,11 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x_in, c10::optional<torch:
 }
 """
 
-_NAME = "sparseserve_rms_norm_cpu_v2"
-_module = None
-_failed = False
+# no FP contraction: s * rstd * w must round twice, as torch's two multiplies do
+_EXT = CpuExtension("sparseserve_rms_norm_cpu_v2", _SOURCE, ["add_rms_norm", "has_avx512"],
+                   "SPARSESERVE_CPU_NORM", "fused CPU add + RMSNorm kernel",
+                   ("-ffp-contract=off",))
 _enabled = True
-
-
-def _load():
-    """The compiled extension, or None (no compiler, or disabled); tries to build once."""
-    global _module, _failed
-    if _module is not None or _failed:
-        return _module
-    if os.environ.get("SPARSESERVE_CPU_NORM", "").lower() == "torch":
-        _failed = True
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-        log.info("loading the fused CPU add + RMSNorm kernel (compiled on first use; cached by torch)")
-        cap = torch.backends.cpu.get_cpu_capability().lower()
-        _module = load_inline(
-            name=f"{_NAME}_{cap}", cpp_sources=[_SOURCE], functions=["add_rms_norm", "has_avx512"],
-            # no FP contraction: s * rstd * w must round twice, as torch's two multiplies do
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-            extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no g++/ninja, headers missing, ...: F.rms_norm stays
-        log.warning("fused CPU RMSNorm kernel unavailable, using F.rms_norm: %s", e)
-        _failed = True
-    return _module
 
 
 def set_enabled(on: bool) -> None:
@@ -201,19 +176,19 @@ def set_enabled(on: bool) -> None:
 
 def available() -> bool:
     """True when the kernel is built (building it on the first call) and enabled."""
-    return _enabled and _load() is not None
+    return _enabled and _EXT.get() is not None
 
 
 def vectorised() -> bool:
     """True when the built kernel has its AVX-512 path (False: only the scalar path)."""
-    return _load() is not None and bool(_module.has_avx512())
+    return _EXT.get() is not None and bool(_EXT.module.has_avx512())
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``add_rms_norm`` should take x [..., N] and weight [N]: fp32 CPU tensors, no
     autograd (inference only: the kernel has no backward), built and enabled."""
     return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.is_cpu
-            and weight.is_cpu and _enabled and _load() is not None
+            and weight.is_cpu and _enabled and _EXT.get() is not None
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
@@ -222,7 +197,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """x [..., N] fp32 CPU, residual like x or None, weight [N] -> (RMSNorm(stream) [..., N],
     stream [..., N]), stream = residual + x (None: x itself, not copied). New tensors (inputs
     are not written). ``generic`` forces the scalar path. Call ``usable`` first."""
-    mod = _module if _module is not None else _load()
+    mod = _EXT.module or _EXT.get()
     if mod is None:
         raise RuntimeError("the fused CPU RMSNorm kernel is not built (see usable())")
     out, stream = mod.add_rms_norm(x, residual, weight, float(eps), generic)

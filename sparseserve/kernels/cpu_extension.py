@@ -1,0 +1,42 @@
+"""C++ CPU kernels built at first use (`torch.utils.cpp_extension.load_inline`, cached by torch
+under ~/.cache/torch_extensions, one build per CPU capability), with the torch path as the
+fallback: no g++ / ninja, missing headers, or the kernel switched off by its environment
+variable (`NAME=torch`). Shared by the fused CPU decode attention and RMSNorm."""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class CpuExtension:
+    """One inline C++ extension: `get()` -> the compiled module, or None (tried once)."""
+
+    def __init__(self, name: str, source: str, functions: list[str], env_var: str,
+                 what: str, extra_cflags: tuple[str, ...] = ()) -> None:
+        self.name, self.source, self.functions = name, source, functions
+        self.env_var, self.what, self.extra_cflags = env_var, what, extra_cflags
+        self.module = None
+        self.failed = False
+
+    def get(self):
+        if self.module is not None or self.failed:
+            return self.module
+        if os.environ.get(self.env_var, "").lower() == "torch":
+            self.failed = True
+            return None
+        try:
+            from torch.utils.cpp_extension import load_inline
+            log.info("loading the %s (compiled on first use, ~30 s; cached by torch)", self.what)
+            cap = torch.backends.cpu.get_cpu_capability().lower()
+            self.module = load_inline(
+                name=f"{self.name}_{cap}", cpp_sources=[self.source], functions=self.functions,
+                extra_cflags=["-O3", "-march=native", *self.extra_cflags, "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as e:  # no g++/ninja, headers missing, ...: the torch path stays
+            log.warning("%s unavailable, using the torch path: %s", self.what, e)
+            self.failed = True
+        return self.module
