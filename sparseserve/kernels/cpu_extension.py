@@ -21,6 +21,7 @@ class CpuExtension:
         self.env_var, self.what, self.extra_cflags = env_var, what, extra_cflags
         self.module = None
         self.failed = False
+        self.enabled = True  # set_enabled(False): callers take the torch path (A/B runs)
 
     def get(self):
         if self.module is not None or self.failed:
@@ -40,3 +41,16 @@ class CpuExtension:
             log.warning("%s unavailable, using the torch path: %s", self.what, e)
             self.failed = True
         return self.module
+
+    def set_enabled(self, on: bool) -> None:
+        """Switch the kernel off (callers then take the torch path) or back on, in this
+        process: for A/B measurements of the two paths in one engine."""
+        self.enabled = bool(on)
+
+    def available(self) -> bool:
+        """True when the kernel is built (building it on the first call) and enabled."""
+        return self.enabled and self.get() is not None
+
+    def vectorised(self) -> bool:
+        """True when the built kernel has its AVX-512 path (False: only the scalar path)."""
+        return self.get() is not None and bool(self.module.has_avx512())

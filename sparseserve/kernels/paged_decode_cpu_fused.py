@@ -293,24 +293,9 @@ _EXT = CpuExtension("sparseserve_paged_decode_cpu_v4", _SOURCE, ["paged_decode",
                    "SPARSESERVE_CPU_DECODE", "fused CPU paged decode kernel")
 
 
-_enabled = True
-
-
-def set_enabled(on: bool) -> None:
-    """Switch the kernel off (callers then take the torch path) or back on, in this process:
-    for A/B measurements of the two paths in one engine (benchmarks/cpu_decode_fused.py)."""
-    global _enabled
-    _enabled = bool(on)
-
-
-def available() -> bool:
-    """True when the fused kernel is built (building it on the first call) and enabled."""
-    return _enabled and _EXT.get() is not None
-
-
-def vectorised() -> bool:
-    """True when the built kernel has its AVX-512 path (False: only the scalar path)."""
-    return _EXT.get() is not None and bool(_EXT.module.has_avx512())
+set_enabled = _EXT.set_enabled  # A/B switch (benchmarks/cpu_*_fused.py)
+available = _EXT.available
+vectorised = _EXT.vectorised
 
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

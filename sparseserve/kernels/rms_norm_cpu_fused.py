@@ -164,31 +164,16 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x_in, c10::optional<torch:
 _EXT = CpuExtension("sparseserve_rms_norm_cpu_v2", _SOURCE, ["add_rms_norm", "has_avx512"],
                    "SPARSESERVE_CPU_NORM", "fused CPU add + RMSNorm kernel",
                    ("-ffp-contract=off",))
-_enabled = True
-
-
-def set_enabled(on: bool) -> None:
-    """Switch the kernel off (``model.layers.rms_norm`` then runs F.rms_norm) or back on, in
-    this process: for A/B measurements of the two paths in one engine."""
-    global _enabled
-    _enabled = bool(on)
-
-
-def available() -> bool:
-    """True when the kernel is built (building it on the first call) and enabled."""
-    return _enabled and _EXT.get() is not None
-
-
-def vectorised() -> bool:
-    """True when the built kernel has its AVX-512 path (False: only the scalar path)."""
-    return _EXT.get() is not None and bool(_EXT.module.has_avx512())
+set_enabled = _EXT.set_enabled  # A/B switch (benchmarks/cpu_*_fused.py)
+available = _EXT.available
+vectorised = _EXT.vectorised
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``add_rms_norm`` should take x [..., N] and weight [N]: fp32 CPU tensors, no
     autograd (inference only: the kernel has no backward), built and enabled."""
     return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.is_cpu
-            and weight.is_cpu and _enabled and _EXT.get() is not None
+            and weight.is_cpu and _EXT.available()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
