@@ -40,6 +40,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from cpu_ab import fused_vs_torch  # noqa: E402
 from cpu_decode_views import B, D, G, HKV, PS, layout  # noqa: E402
 
 from sparseserve.kernels import paged_decode_cpu_fused as fused_kernel  # noqa: E402
@@ -127,12 +128,7 @@ def run_engine(model: str, rounds: int, steps: int) -> dict:
             tokens[path] = (tok1, tokm)
             print(json.dumps(s), flush=True)
     fused_kernel.set_enabled(True)
-    res = {"samples": samples, "same_tokens": tokens["fused"] == tokens["torch"]}
-    for k in ("b1_step_ms", "b16_step_ms"):
-        by = {p: [s[k] for s in samples if s["path"] == p] for p in ("fused", "torch")}
-        res[k] = {p: statistics.median(v) for p, v in by.items()}
-        res[k]["fused_over_torch_per_round"] = [a / b for a, b in zip(by["fused"], by["torch"])]
-    return res
+    return fused_vs_torch(samples, ("b1_step_ms", "b16_step_ms"), tokens["fused"] == tokens["torch"])
 
 
 def main(argv=None) -> int:

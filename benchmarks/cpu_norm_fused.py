@@ -26,6 +26,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_ab import fused_vs_torch  # noqa: E402
 from sparseserve.kernels import rms_norm_cpu_fused as cpu_norm  # noqa: E402
 from sparseserve.model.layers import rms_norm  # noqa: E402
 
@@ -88,12 +90,7 @@ def run_engine(model: str, rounds: int) -> dict:
             tokens[path] = (tok1, tokp)
             print(json.dumps(s), flush=True)
     cpu_norm.set_enabled(True)
-    res = {"samples": samples, "same_tokens": tokens["fused"] == tokens["torch"]}
-    for k in ("b1_step_ms", "prefill_2000_s"):
-        by = {p: [s[k] for s in samples if s["path"] == p] for p in ("fused", "torch")}
-        res[k] = {p: statistics.median(v) for p, v in by.items()}
-        res[k]["fused_over_torch_per_round"] = [a / b for a, b in zip(by["fused"], by["torch"])]
-    return res
+    return fused_vs_torch(samples, ("b1_step_ms", "prefill_2000_s"), tokens["fused"] == tokens["torch"])
 
 
 def main(argv=None) -> int:

@@ -11,6 +11,7 @@ from typing import Any
 # scheduled, its id is filled in on the device (worker/pending_step.py)
 PENDING_TOKEN = -1
 
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop; names, defaults and rules follow vLLM.

@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import torch
 
 from .common import EventTicketSaver, TransferStats, check_save_args
 from .memcpy2d import copy_rows_2d, cuda_2d_available
-from .save_plan import dest_blocks, dest_runs
+from .save_plan import dest_blocks
 
 __all__ = ["CopyEngineSaver"]
 
@@ -62,11 +61,9 @@ class CopyEngineSaver(EventTicketSaver):
         hk, hv = self.host_k[layer], self.host_v[layer]
         ps = hk.shape[1]
         dev = a.k.device
-        if dev.type != "cuda" or cuda_2d_available():
-            t_rows, h_rows, blocks = dest_blocks(plan, ps)
-        else:  # no runtime to call: one copy per run (a block of height 1 each)
-            t_rows, h_rows, r = dest_runs(plan, ps)
-            blocks = np.stack([r[:, 0], r[:, 2], r[:, 1], r[:, 2], np.ones_like(r[:, 0])], 1)
+        # without the CUDA runtime to call: one copy per run (blocks of height 1)
+        t_rows, h_rows, blocks = dest_blocks(plan, ps,
+                                             dev.type != "cuda" or cuda_2d_available())
         # blocks address host rows as page * page_size + offset: a dense layer's rows only
         direct = len(blocks) > self.max_runs or not (_rows_dense(hk) and _rows_dense(hv))
         self.fallback_saves += int(direct)
@@ -101,8 +98,9 @@ def _row_index(plan, k, v, t_rows, h_rows, device):
     st, sh = k.stride(0), k.stride(1)
     flat = (k.stride(2) == 1 and st % D == 0 and sh % D == 0 and v.stride() == k.stride())
     if flat:
-        idx = t_rows * (st // D) + h_rows * (sh // D)
-        return ("flat",) + plan.on_device(("rows_flat", st // D, sh // D), (idx,), device)
+        return ("flat",) + plan.on_device(("rows_flat", st // D, sh // D),
+                                          lambda: (t_rows * (st // D) + h_rows * (sh // D),),
+                                          device)
     return ("pairs",) + plan.on_device("rows", (t_rows, h_rows), device)
 
 

@@ -41,14 +41,15 @@ class SavePlan:
     def shape(self) -> tuple[int, int]:
         return self.pages.shape
 
-    def on_device(self, name: str, arrays, device: torch.device) -> tuple[torch.Tensor, ...]:
+    def on_device(self, name, arrays, device: torch.device) -> tuple[torch.Tensor, ...]:
         """numpy `arrays` derived from this plan as tensors on `device`, copied once per plan
         and kept under `name` (pinned, non-blocking on CUDA): the step's other layers reuse
-        them."""
+        them. `arrays` may be a callable returning them: derived only the first time."""
         key = (name, str(device))
         hit = self.cache.get(key)
         if hit is None:
-            hit = self.cache[key] = tuple(_to_device(a, device) for a in arrays)
+            hit = self.cache[key] = tuple(_to_device(a, device) for a in
+                                          (arrays() if callable(arrays) else arrays))
         return hit
 
     def device_ids(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,18 +108,26 @@ def dest_runs(plan: SavePlan, page_size: int) -> tuple[np.ndarray, np.ndarray, n
     return hit
 
 
-def dest_blocks(plan: SavePlan, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def dest_blocks(plan: SavePlan, page_size: int,
+                strided: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """dest_runs with equally long, equally spaced neighbouring runs grouped into blocks, each
     one strided copy (memcpy2d.copy_rows_2d): where a step starts or ends inside a page or a
     chunk, every KV head has a partial run of the same length, one head's chunk apart.
+    strided=False: one block per run (for a copier without strided copies).
 
     -> (t [R], h [R] as dest_runs; blocks [m, 5] int64: (first host row, host rows between
     the block's runs, first staging row, run length, runs)). Staging rows stay in address
     order, so a block's runs are consecutive there."""
-    hit = plan.cache.get(("blocks", page_size))
+    key = ("blocks", page_size, strided)
+    hit = plan.cache.get(key)
     if hit is not None:
         return hit
     t, h, runs = dest_runs(plan, page_size)
+    if not strided:
+        ones = np.ones_like(runs[:, 0])
+        hit = plan.cache[key] = (t, h, np.stack([runs[:, 0], runs[:, 2], runs[:, 1],
+                                                 runs[:, 2], ones], 1))
+        return hit
     blocks = []
     i, n = 0, len(runs)
     while i < n:
@@ -133,7 +142,7 @@ def dest_blocks(plan: SavePlan, page_size: int) -> tuple[np.ndarray, np.ndarray,
         blocks.append((dst, pitch or length, src, length, j - i))
         i = j
     arr = np.asarray(blocks, np.int64).reshape(-1, 5)
-    hit = plan.cache[("blocks", page_size)] = (t, h, arr)
+    hit = plan.cache[key] = (t, h, arr)
     return hit
 
 

@@ -42,14 +42,14 @@ class RunnerOutput:
 class PendingStep:
     """What collecting a launched step needs. `ready`: the step sampled nothing (its
     RunnerOutput as is); else `result` (the RunnerOutput to fill), the sampled chunks, their
-    SamplingBatch and sampler output, the tokens' pinned host copy and its event (None on
-    CPU: the copy is done), and the working sets' host buffer (two-tier cache) or None."""
+    SamplingBatch and sampler output (its tensors the pinned host copies in flight), the
+    copies' event (None on CPU: nothing to wait for), and the working sets' host buffer
+    (two-tier cache) or None."""
     ready: Any = None
     result: Any = None
     sampling: list = field(default_factory=list)
     batch: Any = None
     sampled: Any = None
-    host_tokens: torch.Tensor | None = None
     event: Any = None
     working_sets: torch.Tensor | None = None
 
@@ -57,15 +57,15 @@ class PendingStep:
         """The step's sampled token ids, in sampling order (waits for their copy only)."""
         if self.event is not None:
             self.event.synchronize()
-        return self.host_tokens.tolist()
+        return self.sampled.token_ids.tolist()
 
 
 def start_host_copy(tensors: list[torch.Tensor | None]) -> tuple[list, Any]:
     """Device tensors (None: skipped) -> (their pinned host copies in flight, one CUDA event
-    after them; None on CPU, where the copies are done on return). Reading the copies after
-    the event does not wait for work queued later (the next step's)."""
+    after them). Reading the copies after the event does not wait for work queued later (the
+    next step's). CPU tensors are already on the host: (them, None)."""
     if not any(t is not None and t.device.type == "cuda" for t in tensors):
-        return [None if t is None else t.clone() for t in tensors], None
+        return list(tensors), None
     hosts = []
     for t in tensors:
         if t is None:

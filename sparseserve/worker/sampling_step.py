@@ -53,7 +53,7 @@ class SamplingStep:
         result.host_time_s = time.perf_counter() - t0
         return PendingStep(result=result, sampling=sampling, batch=batch,
                            sampled=dataclasses.replace(s, **dict(zip(names, hosts))),
-                           host_tokens=hosts[0], event=event, working_sets=ws)
+                           event=event, working_sets=ws)
 
     def _sample_finish(self, p: PendingStep) -> RunnerOutput:
         """The launched step's tokens (the step's one host sync), working sets, logprobs."""
