@@ -4,7 +4,10 @@ host share of steps that carry a prefill chunk plus decode rows.
 
 One long prompt is prefilled in `--chunk`-token chunks by the `dense` preset (dummy weights),
 optionally while `--decode-rows` short requests decode beside it (a hybrid step: the decode rows
-replay their CUDA graph, the chunk runs eagerly). Every step is timed with the device
+replay their CUDA graph, the chunk runs eagerly — or, with `--cudagraph-modes` including
+FULL_AND_PIECEWISE, its layers' attention-free pieces replay piecewise graphs). With
+`--presets sparseserve` the prompt is prefilled in layer segments over the two-tier cache
+(its MFU column counts only steps that complete tokens: read its host share). Every step is timed with the device
 synchronised before and after it; its host time is the runner's CPU time until its one sync
 (`RunnerOutput.host_time_s`, read through `LLMEngine.last_step_host_time_s`).
 
@@ -15,6 +18,10 @@ no recompute. MFU = FLOPs / step time / `--peak-tflops` (790: bf16 GEMMs measure
 
     python benchmarks/prefill_mfu.py --out $OUT/prefill_mfu.json --contexts 8192,32768 \\
         --decode-rows 0,8,32
+    # hybrid-step host share with and without piecewise graphs, chunks and layer segments
+    python benchmarks/prefill_mfu.py --out $OUT/hybrid.json --contexts 2048,8192 \
+        --decode-rows 8,32 --presets dense,sparseserve \
+        --cudagraph-modes FULL_DECODE_ONLY,FULL_AND_PIECEWISE
     python benchmarks/prefill_mfu.py --out /tmp/mfu.json --smoke     # tiny, CPU
 """
 from __future__ import annotations
@@ -48,16 +55,21 @@ def chunk_flops(mc, start: int, tokens: int, sampled_rows: int) -> float:
     return 2 * linear_params(mc) * tokens + attn + head
 
 
-def run_context(model: str, context: int, rows: int, a, device: str, dtype: str) -> dict:
+def run_context(model: str, context: int, rows: int, a, device: str, dtype: str,
+                preset: str = "dense", mode: str = "FULL_DECODE_ONLY") -> dict:
     import numpy as np
     import torch
 
     from sparseserve import LLM, SamplingParams
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    llm = LLM(model, load_format="dummy", dtype=dtype, device=device, preset="dense",
+    extra = {}
+    if preset != "dense":
+        extra = dict(kv_offloading_size=a.host_gib, token_budget=a.token_budget)
+    llm = LLM(model, load_format="dummy", dtype=dtype, device=device, preset=preset,
               max_model_len=context + 64, max_num_seqs=max(rows + 1, 2),
-              max_num_batched_tokens=a.chunk + rows, kv_cache_memory_bytes=int(a.kv_gib * GiB))
+              max_num_batched_tokens=a.chunk + rows, kv_cache_memory_bytes=int(a.kv_gib * GiB),
+              cudagraph_mode=mode, **extra)
     eng = llm.engine
     mc = eng.config.model
     rng = np.random.default_rng(a.seed)
@@ -98,7 +110,8 @@ def run_context(model: str, context: int, rows: int, a, device: str, dtype: str)
     C.free_device_memory()
     body = steps[1:-1] or steps  # the first chunk pays one-off warm-ups, the last samples
     wall = sum(s["wall_ms"] for s in body)
-    return {"context": context, "decode_rows": rows, "chunk": a.chunk, "steps": steps,
+    return {"preset": preset, "cudagraph_mode": mode, "context": context, "decode_rows": rows,
+            "chunk": a.chunk, "steps": steps,
             "mean_mfu": sum(s["mfu"] * s["wall_ms"] for s in body) / wall,
             "mean_tflops": sum(s["tflops"] * s["wall_ms"] for s in body) / wall,
             "mean_step_ms": wall / len(body),
@@ -114,6 +127,11 @@ def main(argv=None) -> int:
     p.add_argument("--decode-prompt", type=int, default=512, help="their prompt tokens")
     p.add_argument("--chunk", type=int, default=2048, help="prefill tokens per step")
     p.add_argument("--kv-gib", type=float, default=40)
+    p.add_argument("--presets", default="dense", help="comma list (sparseserve: layer segments)")
+    p.add_argument("--cudagraph-modes", default="FULL_DECODE_ONLY",
+                   help="comma list of FULL_DECODE_ONLY, FULL_AND_PIECEWISE (A/B in one run)")
+    p.add_argument("--host-gib", type=float, default=16, help="host tier (two-tier presets)")
+    p.add_argument("--token-budget", type=int, default=2048, help="sparse presets")
     p.add_argument("--peak-tflops", type=float, default=790.0,
                    help="the bf16 matmul rate MFU is relative to (measured on the H200)")
     p.add_argument("--seed", type=int, default=0)
@@ -130,12 +148,19 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
     dtype = "bfloat16" if device == "cuda" else "float32"
     res = {"meta": C.meta(argv), "model": name, "args": vars(a), "runs": []}
-    for ctx in contexts:
-        for rows in row_counts:
-            res["runs"].append(run_context(model, ctx, rows, a, device, dtype))
-            C.write_json(a.out, res)
-    print(C.table(["context", "decode rows", "chunk", "step ms", "TFLOP/s", "MFU", "host share"],
-                  [[r["context"], r["decode_rows"], r["chunk"], C.fmt(r["mean_step_ms"]),
+    if a.smoke:
+        a.host_gib = 0.05
+    for preset in a.presets.split(","):
+        for ctx in contexts:
+            for rows in row_counts:
+                for mode in a.cudagraph_modes.split(","):  # modes side by side
+                    res["runs"].append(run_context(model, ctx, rows, a, device, dtype,
+                                                   preset, mode))
+                    C.write_json(a.out, res)
+    print(C.table(["preset", "graphs", "context", "decode rows", "chunk", "step ms", "TFLOP/s",
+                   "MFU", "host share"],
+                  [[r["preset"], r["cudagraph_mode"], r["context"], r["decode_rows"], r["chunk"],
+                    C.fmt(r["mean_step_ms"]),
                     C.fmt(r["mean_tflops"]), f"{100 * r['mean_mfu']:.1f} %",
                     f"{100 * r['host_share']:.1f} %"] for r in res["runs"]]))
     return 0

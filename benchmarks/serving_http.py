@@ -7,7 +7,8 @@ at the same rate and writes one JSON (every bench result, the server commands).
   # one H200, LWM-7B shape, dummy weights, 20 GiB device KV (serving.md's setup, fewer requests)
   python benchmarks/serving_http.py --out $OUT/serving_http.json --model lwm-7b \\
       --presets sparseserve,dense --request-rate 2 --num-prompts 16
-  # a preset with "+async" runs the server with --async-scheduling (e.g. dense+async)
+  # a preset with "+async" runs the server with --async-scheduling (e.g. dense+async), with
+  # "+piecewise" with --cudagraph-mode FULL_AND_PIECEWISE (e.g. dense+async+piecewise)
   python benchmarks/serving_http.py --out /tmp/h.json --smoke      # tiny model on the CPU
 
 The in-process sweep (benchmarks/serving.py) measures the same quantities without HTTP; this
@@ -43,10 +44,12 @@ def free_port() -> int:
 
 
 def server_command(a, model: str, preset: str, port: int) -> list[str]:
-    """`preset` is a preset name, or one with "+async": the server with --async-scheduling."""
-    preset, _, mode = preset.partition("+")
-    if mode not in ("", "async"):
-        raise ValueError(f"unknown preset modifier +{mode} (only +async)")
+    """`preset` is a preset name with optional modifiers: "+async" (the server with
+    --async-scheduling), "+piecewise" (--cudagraph-mode FULL_AND_PIECEWISE)."""
+    preset, *mods = preset.split("+")
+    bad = set(mods) - {"async", "piecewise"}
+    if bad:
+        raise ValueError(f"unknown preset modifier(s) {sorted(bad)} (known: +async, +piecewise)")
     cmd = [sys.executable, "-m", "sparseserve.cli", "serve", model, "--port", str(port),
            "--preset", preset, "--max-model-len", str(a.max_model_len),
            "--max-num-seqs", str(a.max_num_seqs),
@@ -59,8 +62,10 @@ def server_command(a, model: str, preset: str, port: int) -> list[str]:
         cmd += ["--token-budget", str(a.token_budget)]
     if preset in ("sparse-offload", "sparseserve"):
         cmd += ["--kv-offloading-size", str(a.host_gib)]
-    if mode == "async":
+    if "async" in mods:
         cmd += ["--async-scheduling"]
+    if "piecewise" in mods:
+        cmd += ["--cudagraph-mode", "FULL_AND_PIECEWISE"]
     if a.smoke:
         cmd += ["--device", "cpu", "--dtype", "float32"]
     return cmd

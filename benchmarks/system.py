@@ -12,7 +12,8 @@ Configurations: the presets (dense, sparse, sparse-offload, sparseserve) and abl
 full system (sparseserve-chunked: no layer-segmented prefill; sparseserve-no-wc: no
 working-set control; sparseserve-flashd2h: prefill saves by FlashD2H's CPU scatter instead of
 the preset's GPU-direct writes; sparseserve-copyengine: by the copy engine; dense-async,
-sparseserve-async: with async scheduling). The device KV
+sparseserve-async: with async scheduling; *-piecewise: with piecewise CUDA graphs for steps
+with prefill work, `--cudagraph-mode FULL_AND_PIECEWISE`). The device KV
 budget is the same for all (default 20 GiB, an A100-40GB-like budget); the host tier is sized
 for the trace. Ratios are to `dense` in the same run.
 
@@ -50,6 +51,13 @@ CONFIGS = {
     # the next step scheduled and launched while the current one runs (async scheduling)
     "dense-async": dict(preset="dense", async_scheduling=True),
     "sparseserve-async": dict(preset="sparseserve", async_scheduling=True),
+    # steps with prefill work run their layers' attention-free pieces as CUDA graphs
+    "dense-piecewise": dict(preset="dense", cudagraph_mode="FULL_AND_PIECEWISE"),
+    "sparseserve-piecewise": dict(preset="sparseserve", cudagraph_mode="FULL_AND_PIECEWISE"),
+    "dense-async-piecewise": dict(preset="dense", async_scheduling=True,
+                                  cudagraph_mode="FULL_AND_PIECEWISE"),
+    "sparseserve-async-piecewise": dict(preset="sparseserve", async_scheduling=True,
+                                        cudagraph_mode="FULL_AND_PIECEWISE"),
 }
 TRACES = ("mix40", "long32", "light8")
 

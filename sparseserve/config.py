@@ -183,6 +183,11 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
 
 
+# CUDA graphs of the runner (vLLM's names): whole decode steps only, or also the attention-free
+# pieces of every layer for steps with prefill work (worker/piecewise_graphs.py)
+CUDAGRAPH_MODES = ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -194,6 +199,7 @@ class EngineConfig:
     dtype: str = "float32"  # compute dtype name of torch ("float32", "bfloat16", "float16")
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs
+    cudagraph_mode: str = "FULL_DECODE_ONLY"  # CUDAGRAPH_MODES (unused when enforce_eager)
     async_scheduling: bool = False  # launch step N + 1 before reading step N's tokens
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     extra: Mapping[str, Any] = field(default_factory=dict)

@@ -11,6 +11,7 @@ from sparseserve.config import (HOST_CHUNK_PAGES, CacheConfig, EngineConfig, Loa
                                 ModelConfig, ParallelConfig, SchedulerConfig, SparseConfig)
 from sparseserve.engine.memory_plan import (DTYPE_BYTES, GiB, check_plan, fit_num_pages,
                                             gpu_memory, kv_page_bytes, plan_memory)
+from sparseserve.config import CUDAGRAPH_MODES
 from sparseserve.engine.presets import OFFLOAD_ONLY, PRESETS, apply_preset, preset_help
 
 logger = logging.getLogger("sparseserve")
@@ -40,6 +41,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     enforce_eager: bool = False
+    # vLLM's names: FULL_DECODE_ONLY (whole decode steps), FULL_AND_PIECEWISE (also the
+    # attention-free pieces of steps with prefill work: worker/piecewise_graphs.py)
+    cudagraph_mode: str = "FULL_DECODE_ONLY"
     # schedule and launch step N + 1 while step N runs on the device (worker/pending_step.py)
     async_scheduling: bool = False
     kv_offload: bool | None = None
@@ -102,6 +106,11 @@ class EngineArgs:
                             default=d.gpu_memory_utilization)
         parser.add_argument("--seed", type=int, default=d.seed)
         parser.add_argument("--enforce-eager", action="store_true")
+        parser.add_argument("--cudagraph-mode", default=d.cudagraph_mode,
+                            choices=list(CUDAGRAPH_MODES),
+                            help="CUDA graphs (GPU): FULL_DECODE_ONLY captures whole decode "
+                                 "steps; FULL_AND_PIECEWISE also the layers' attention-free "
+                                 "pieces of steps with prefill work, per token-count bucket")
         parser.add_argument("--async-scheduling", action="store_true",
                             help="schedule and launch the next step while the current one runs "
                                  "on the device (while a request uses penalties or a grammar, "
@@ -184,6 +193,7 @@ class EngineArgs:
             raise ValueError("device='cuda' but no CUDA GPU is visible; use device='cpu'.")
         dtype = _resolve_dtype(self.dtype, device, mc)
         tp = self._check_parallel(mc, device)
+        self._check_graph_mode(device, tp)
         mc_rank = dataclasses.replace(mc, num_key_value_heads=mc.num_key_value_heads // tp)
         if self.page_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"page_size must be one of 8, 16, 32, 64, 128; got {self.page_size}.")
@@ -290,8 +300,19 @@ class EngineArgs:
                                       working_set_window=self.working_set_window),
             sparse=sparse, device=device, dtype=dtype, seed=self.seed,
             enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
-            parallel=ParallelConfig(tensor_parallel_size=tp),
+            cudagraph_mode=self.cudagraph_mode, parallel=ParallelConfig(tensor_parallel_size=tp),
         )
+
+    def _check_graph_mode(self, device: str, tp: int) -> None:
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode {self.cudagraph_mode!r} is not one of "
+                             f"{', '.join(CUDAGRAPH_MODES)}.")
+        if self.cudagraph_mode != "FULL_DECODE_ONLY" and (device != "cuda" or self.enforce_eager
+                                                          or tp > 1):
+            why = ("enforce_eager is set" if self.enforce_eager else
+                   "tensor parallelism runs its layers eagerly" if tp > 1 else
+                   f"there are no CUDA graphs on {device}")
+            logger.warning("cudagraph_mode %s has no effect: %s", self.cudagraph_mode, why)
 
     def _check_parallel(self, mc: ModelConfig, device: str) -> int:
         """The tensor-parallel size, checked against the model and the visible GPUs."""

@@ -242,6 +242,38 @@ def captures_decode_graphs(cfg: EngineConfig) -> bool:
     return not c.kv_offload or (c.h2d_method == "flash" and c.d2h_method != "memcpy")
 
 
+PIECEWISE_MAX_TOKENS = 4096  # larger steps are compute-bound: their layers run eagerly
+
+
+def captures_piecewise_graphs(cfg: EngineConfig) -> bool:
+    """Whether the runner captures piecewise graphs for steps with prefill work
+    (worker/piecewise_graphs.py): cudagraph_mode FULL_AND_PIECEWISE on one CUDA device
+    without enforce_eager (tensor parallelism runs the unfused layers)."""
+    return (cfg.device == "cuda" and not cfg.enforce_eager
+            and cfg.cudagraph_mode == "FULL_AND_PIECEWISE"
+            and cfg.parallel.tensor_parallel_size == 1)
+
+
+def piecewise_max_tokens(cfg: EngineConfig) -> int:
+    """The largest token bucket of the piecewise graphs: the step's token budget, capped."""
+    return min(cfg.scheduler.max_num_batched_tokens, PIECEWISE_MAX_TOKENS)
+
+
+def piecewise_pool_bytes(cfg: EngineConfig) -> int:
+    """The piecewise graphs' static buffers (stream and residual [n, hidden], qkv [n, (Hq +
+    2 Hkv) D], attention out [n, Hq D], positions, fp32 RoPE factors [n, 2, D]) and their
+    shared pool, which holds one piece's intermediates at the largest bucket n (a layer's
+    activations per token, as graph_pool_bytes counts them); 0 when none are captured."""
+    if not captures_piecewise_graphs(cfg):
+        return 0
+    mc = cfg.model
+    _, hkv, d, e = _rank_shape(cfg)
+    hq = mc.num_attention_heads
+    n = piecewise_max_tokens(cfg)
+    static = n * ((2 * mc.hidden_size + (2 * hq + 2 * hkv) * d) * e + 8 + 2 * d * 4)
+    return static + n * (mc.hidden_size * 8 + mc.intermediate_size * 6) * e // 2 + GRAPH_POOL_SLACK
+
+
 def graph_pool_bytes(cfg: EngineConfig) -> int:
     """Allowance for the decode graphs' shared pool (worker/cuda_graphs.py), without
     measuring: graphs are captured largest bucket first and share one pool, so it holds the
@@ -251,9 +283,9 @@ def graph_pool_bytes(cfg: EngineConfig) -> int:
     KV head's gathered K and V page and scratch summary row, and the logits in the model
     dtype and fp32 — plus every other graph's logits (kept as the graphs' outputs: with the
     two-tier cache two graphs per bucket, cuda_graphs.graph_variants), the static inputs and
-    GRAPH_POOL_SLACK. 0 when no graph is captured."""
+    GRAPH_POOL_SLACK; plus piecewise_pool_bytes. 0 when no graph is captured."""
     if not captures_decode_graphs(cfg):
-        return 0
+        return piecewise_pool_bytes(cfg)
     from sparseserve.worker.cuda_graphs import batch_buckets, graph_variants
 
     mc, tp = cfg.model, cfg.parallel.tensor_parallel_size
@@ -268,7 +300,7 @@ def graph_pool_bytes(cfg: EngineConfig) -> int:
     sizes = batch_buckets(cfg.scheduler.max_num_seqs)
     graphs_rows = len(graph_variants(cfg.cache.kv_offload)) * sum(sizes)
     kept = (graphs_rows - sizes[-1]) * mc.vocab_size * 4
-    return sizes[-1] * (per_row + 3 * 8) + kept + GRAPH_POOL_SLACK
+    return sizes[-1] * (per_row + 3 * 8) + kept + GRAPH_POOL_SLACK + piecewise_pool_bytes(cfg)
 
 
 def plan_memory(cfg: EngineConfig, budget: int | None = None) -> MemoryPlan:

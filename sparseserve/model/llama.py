@@ -57,18 +57,47 @@ class LlamaAttention(nn.Module):
         # x [T, hidden] -> [T, hidden] (+ residual: fused into the O projection on the CPU)
         # cos_sin: RotaryEmbedding.cos_sin of the tokens' positions (once per step)
         # fused: RoPE in place in one Triton launch (kernels/fused_layer_ops.py)
+        q, k, v = self.project_qkv(x, cos_sin, fused)
+        out = ctx.attention(self.layer, q, k, v).reshape(x.shape[0], -1)  # [T, Hq * D]
+        return self.project_out(out, residual)
+
+    def project_qkv(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                    fused: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, Hq, D], k, v [T, Hkv, D], RoPE applied to q and k (views
+        of one GEMM's output while the q/k/v weights alias their fused buffer). `fused`: RoPE
+        in place in one Triton launch (`fused_qkv`)."""
+        if fused:
+            return self.split_qkv(self.fused_qkv(x, cos_sin))
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        rope = _rotary_in_place if fused else rotate
         if fused_ok(self.qkv_weight, [self.q_proj, self.k_proj, self.v_proj]):
             qkv = linear(x, self.qkv_weight, self.qkv_bias).view(t, hq + 2 * hkv, d)
-            qk = rope(qkv[:, :hq + hkv], cos_sin)  # q and k in one rotation
-            q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
-        else:
-            q = rope(linear(x, self.q_proj.weight, self.q_proj.bias).view(t, hq, d), cos_sin)
-            k = rope(linear(x, self.k_proj.weight, self.k_proj.bias).view(t, hkv, d), cos_sin)
-            v = linear(x, self.v_proj.weight, self.v_proj.bias).view(t, hkv, d)
-        out = ctx.attention(self.layer, q, k, v).reshape(t, hq * d)  # [T, Hq * D]
+            qk = rotate(qkv[:, :hq + hkv], cos_sin)  # q and k in one rotation
+            return qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
+        q = rotate(linear(x, self.q_proj.weight, self.q_proj.bias).view(t, hq, d), cos_sin)
+        k = rotate(linear(x, self.k_proj.weight, self.k_proj.bias).view(t, hkv, d), cos_sin)
+        return q, k, linear(x, self.v_proj.weight, self.v_proj.bias).view(t, hkv, d)
+
+    def fused_qkv(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The fused path's projection: x [T, hidden] -> qkv [T, Hq + 2 Hkv, D] (q heads, k,
+        v), RoPE applied in place to q and k in one Triton launch."""
+        t, d = x.shape[0], self.head_dim
+        projs = [self.q_proj, self.k_proj, self.v_proj]
+        if fused_ok(self.qkv_weight, projs):
+            qkv = linear(x, self.qkv_weight, self.qkv_bias).view(t, -1, d)
+        else:  # the views were replaced (e.g. by .to()): three GEMMs
+            qkv = torch.cat([linear(x, p.weight, p.bias).view(t, -1, d) for p in projs], 1)
+        _rotary_in_place(qkv[:, :self.num_heads + self.num_kv_heads], cos_sin)
+        return qkv
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [T, Hq + 2 Hkv, D] -> views q [T, Hq, D], k, v [T, Hkv, D]."""
+        hq, hkv = self.num_heads, self.num_kv_heads
+        return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+
+    def project_out(self, out: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The O projection of attention's out [T, Hq * D] (+ residual) -> [T, hidden]; with
+        tp the all-reduce before the residual add."""
         if self.tp is None:
             return linear(out, self.o_proj.weight, residual=residual)
         out = self.tp.all_reduce(linear(out, self.o_proj.weight))
@@ -103,9 +132,27 @@ class LlamaDecoderLayer(nn.Module):
         so each residual add runs inside the next norm's kernel. x [T, hidden] is the last
         layer's MLP output (residual None: x is the stream itself) -> (this layer's MLP
         output, the stream before it). Same roundings as `forward`: the stream after the
-        layer is residual' + x', rounded once."""
+        layer is residual' + x', rounded once. Split around attention as
+        `attention_inputs` -> ctx.attention -> `attention_outputs` (the attention-free
+        pieces are what worker/piecewise_graphs.py captures)."""
+        qkv, residual = self.attention_inputs(x, residual, cos_sin)
+        q, k, v = self.self_attn.split_qkv(qkv)
+        a = ctx.attention(self.self_attn.layer, q, k, v).reshape(x.shape[0], -1)
+        return self.attention_outputs(a, residual)
+
+    def attention_inputs(self, x: torch.Tensor, residual: torch.Tensor | None,
+                         cos_sin: tuple[torch.Tensor, torch.Tensor]
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused path up to attention: (x, residual) as in forward_fused -> (qkv [T, Hq +
+        2 Hkv, D] with RoPE applied, the stream residual + x [T, hidden])."""
         h, residual = self.input_layernorm.add_forward(x, residual)
-        a = self.self_attn(h, cos_sin, ctx, fused=True)
+        return self.self_attn.fused_qkv(h, cos_sin), residual
+
+    def attention_outputs(self, a: torch.Tensor,
+                          residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused path after attention: a [T, Hq * D], the stream [T, hidden] -> (this
+        layer's MLP output, the stream before it)."""
+        a = self.self_attn.project_out(a)
         h, residual = self.post_attention_layernorm.add_forward(a, residual)
         return self.mlp(h, fused=True), residual
 

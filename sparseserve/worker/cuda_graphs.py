@@ -14,10 +14,43 @@ layer). Both share the pool and the static inputs.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from sparseserve.worker.forward_context import ForwardContext
 from sparseserve.worker.offload_context import OffloadForwardContext
+
+logger = logging.getLogger("sparseserve")
+
+
+def capture_runner_graphs(runner, max_batch: int):
+    """The runner's CUDA graphs as its config asks (engine/memory_plan.py counted their
+    pools): -> (DecodeGraphs or None, the decode capture's error or None, PiecewiseGraphs or
+    None). A failed capture falls back to eager steps with a warning: correct, only slower."""
+    from sparseserve.engine.memory_plan import (captures_decode_graphs,
+                                                captures_piecewise_graphs, piecewise_max_tokens)
+    cfg = runner.cfg
+    graphs, error, piecewise = None, None, None
+    if captures_decode_graphs(cfg):
+        try:
+            graphs = DecodeGraphs(runner, max_batch)
+            graphs.capture()
+        except Exception as e:  # noqa: BLE001
+            graphs, error = None, f"{type(e).__name__}: {e}"
+            logger.warning("CUDA graph capture failed, decoding eagerly: %s", error)
+            torch.cuda.synchronize()
+    if captures_piecewise_graphs(cfg):
+        from sparseserve.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
+        try:
+            piecewise = PiecewiseGraphs(runner.model, token_buckets(piecewise_max_tokens(cfg)))
+            piecewise.capture()
+        except Exception as e:  # noqa: BLE001
+            piecewise = None
+            logger.warning("piecewise CUDA graph capture failed, steps with prefill work run "
+                           "eagerly: %s: %s", type(e).__name__, e)
+            torch.cuda.synchronize()
+    return graphs, error, piecewise
 
 
 def batch_buckets(max_batch: int) -> list[int]:

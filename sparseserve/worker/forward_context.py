@@ -65,6 +65,10 @@ class ForwardContext:
     Rows [0, num_decode) are decode tokens (one per request, attending to positions <= own).
     """
 
+    # whether attention's k / v may still be read after it returns (a side-stream saver):
+    # callers that reuse those buffers for the next layer (piecewise graphs) pass copies
+    reads_kv_after_attention = False
+
     def __init__(self, kv: KVCacheTensors, pages: PageDirectory, rows: torch.Tensor,
                  positions: torch.Tensor, num_decode: int, prefills: list[PrefillSeq],
                  scale: float, decode_width: int | None = None,

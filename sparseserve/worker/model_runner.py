@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from sparseserve.config import INJECT_CREDIT_FRACTION, EngineConfig, SparseConfig
-from sparseserve.engine.memory_plan import captures_decode_graphs
 from sparseserve.engine.sched_output import ScheduledChunk, SchedulerOutput
 from sparseserve.kvcache.manager import cdiv
 from sparseserve.model.llama import LlamaForCausalLM
@@ -120,18 +119,9 @@ class ModelRunner(SamplingStep):
         self.prefill_attn = PaddedCausalAttention.for_cuda(
             mc.num_attention_heads // (1 if tp is None else tp.size), self.num_kv_heads,
             mc.head_dim, self.scale, self.dtype, self.device, max_len)
-        self.graphs = None
-        self.graph_error: str | None = None
-        if captures_decode_graphs(cfg):  # the memory plan counted their pool
-            from sparseserve.worker.cuda_graphs import DecodeGraphs
-            try:
-                self.graphs = DecodeGraphs(self, rows)
-                self.graphs.capture()
-            except Exception as e:  # noqa: BLE001 - eager decode is correct, only slower
-                self.graphs, self.graph_error = None, f"{type(e).__name__}: {e}"
-                logger.warning("CUDA graph capture failed, decoding eagerly: %s",
-                               self.graph_error)
-                torch.cuda.synchronize()
+        # CUDA graphs: whole decode steps, and the attention-free pieces of the other steps
+        from sparseserve.worker.cuda_graphs import capture_runner_graphs
+        self.graphs, self.graph_error, self.piecewise = capture_runner_graphs(self, rows)
         self._check_memory_plan()
 
     def _check_memory_plan(self) -> None:
@@ -256,7 +246,7 @@ class ModelRunner(SamplingStep):
                 continue
             if len(active) == len(chunks):
                 ctx = self._context(chunks, offsets, token_rows, positions)
-                h = self.model.run_layers(h, positions, ctx, a, b)
+                h = self._run_layers(h, positions, ctx, a, b)
                 ctx.finish_layers(a, b)
                 continue
             sub = [chunks[i] for i in active]
@@ -266,7 +256,7 @@ class ModelRunner(SamplingStep):
             sub_offsets = np.cumsum([0] + [c.num_tokens for c in sub])[:-1].tolist()
             ctx = self._context(sub, sub_offsets, token_rows[idx], positions[idx],
                                 np_idx=idx_np)
-            h[idx] = self.model.run_layers(h[idx], positions[idx], ctx, a, b)
+            h[idx] = self._run_layers(h[idx], positions[idx], ctx, a, b)
             ctx.finish_layers(a, b)
 
         for c, off in zip(chunks, offsets):
@@ -280,6 +270,15 @@ class ModelRunner(SamplingStep):
         if not sampling_rows:
             return None
         return self.model.compute_logits(h[to_device(sampling_rows, torch.long, dev)])
+
+    def _run_layers(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                    a: int, b: int) -> torch.Tensor:
+        """Layers [a, b) over the stream h [T, hidden]: through the piecewise graphs when the
+        step's T tokens fit their largest bucket (worker/piecewise_graphs.py), else op by op."""
+        pw = self.piecewise
+        if pw is not None and h.shape[0] <= pw.max_tokens and self.model.use_fused_ops(h):
+            return pw.run(h, positions, ctx, a, b)
+        return self.model.run_layers(h, positions, ctx, a, b)
 
     def _initial_hidden(self, chunks: list[ScheduledChunk], offsets: list[int],
                         input_ids: torch.Tensor) -> torch.Tensor:

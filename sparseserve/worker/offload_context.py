@@ -21,6 +21,8 @@ from sparseserve.worker.offload_cache import TwoTierCache
 
 
 class OffloadForwardContext(ForwardContext):
+    reads_kv_after_attention = True  # the savers write k / v to DRAM from a side stream
+
     def __init__(self, *args, cache: TwoTierCache, save_pages: np.ndarray | None,
                  save_offsets: np.ndarray | None, decode_fills: bool = True,
                  **kwargs) -> None:

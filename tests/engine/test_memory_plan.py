@@ -237,3 +237,39 @@ def test_llama3_8b_h200_offload_arkvale_counts_summaries(gpu):
     more = large.memory_plan.summaries - small.memory_plan.summaries
     # (fewer slots also need less metadata: the slots shrink a little less than that)
     assert shrink == pytest.approx(more, rel=0.01)
+
+
+def test_piecewise_graphs_are_counted(gpu):
+    """cudagraph_mode FULL_AND_PIECEWISE adds the piecewise graphs' static buffers and pool
+    (worker/piecewise_graphs.py) to the graph pool, and the KV slots shrink by it; at least
+    the static buffers' real bytes (stream, residual, qkv, attention out, positions, RoPE
+    factors at the largest bucket)."""
+    from sparseserve.engine.memory_plan import piecewise_max_tokens, piecewise_pool_bytes
+
+    gpu(140 * GiB, 141 * GiB)
+    kw = dict(model="llama-3-8b", load_format="dummy", device="cuda", dtype="bfloat16",
+              max_model_len=32768, max_num_seqs=64)
+    full = EngineArgs(**kw).create_engine_config()[0]
+    pw = EngineArgs(cudagraph_mode="FULL_AND_PIECEWISE", **kw).create_engine_config()[0]
+    extra = piecewise_pool_bytes(pw)
+    assert piecewise_pool_bytes(full) == 0 and extra > 0
+    assert pw.memory_plan.graph_pool - full.memory_plan.graph_pool == extra
+    n = piecewise_max_tokens(pw)
+    assert n == 2048
+    static = n * ((2 * 4096 + (32 + 8 + 8 + 32) * 128) * 2 + 8 + 2 * 128 * 4)
+    assert extra > static
+    page_bytes = 2 * 32 * 32 * 128 * 2
+    assert full.cache.num_pages - pw.cache.num_pages == pytest.approx(extra / page_bytes, abs=2)
+    eager = EngineArgs(cudagraph_mode="FULL_AND_PIECEWISE", enforce_eager=True,
+                       **kw).create_engine_config()[0]
+    assert eager.memory_plan.graph_pool == 0
+
+
+def test_cudagraph_mode_checked(model_dir, caplog):
+    with pytest.raises(ValueError, match="cudagraph_mode 'PIECEWISE' is not one of"):
+        EngineArgs(model=model_dir, cudagraph_mode="PIECEWISE").create_engine_config()
+    with caplog.at_level("WARNING", logger="sparseserve"):
+        EngineArgs(model=model_dir, device="cpu",
+                   cudagraph_mode="FULL_AND_PIECEWISE").create_engine_config()
+    assert "cudagraph_mode FULL_AND_PIECEWISE has no effect: there are no CUDA graphs on cpu" \
+        in caplog.text
