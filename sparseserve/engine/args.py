@@ -1,4 +1,5 @@
-"""EngineArgs: the user's knobs (vLLM names) -> a frozen, checked EngineConfig."""
+"""EngineArgs: the user's knobs (vLLM names) -> a frozen, checked EngineConfig (its command
+line: engine/cli_args.py; its checks of knob combinations: engine/args_checks.py)."""
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,8 @@ from sparseserve.config import (HOST_CHUNK_PAGES, CacheConfig, EngineConfig, Loa
                                 ModelConfig, ParallelConfig, SchedulerConfig, SparseConfig)
 from sparseserve.engine.memory_plan import (DTYPE_BYTES, GiB, check_plan, fit_num_pages,
                                             gpu_memory, kv_page_bytes, plan_memory)
-from sparseserve.config import CUDAGRAPH_MODES
-from sparseserve.engine.presets import OFFLOAD_ONLY, PRESETS, apply_preset, preset_help
+from sparseserve.engine.args_checks import EngineArgsChecks
+from sparseserve.engine.presets import OFFLOAD_ONLY, apply_preset
 
 logger = logging.getLogger("sparseserve")
 
@@ -20,7 +21,7 @@ CPU_DEFAULT_KV_BYTES = 2 * GiB
 
 
 @dataclass
-class EngineArgs:
+class EngineArgs(EngineArgsChecks):
     model: str | None = None
     load_format: str = "auto"
     tokenizer: str | None = None
@@ -60,96 +61,16 @@ class EngineArgs:
     # rank, kv_offloading_size the total, as in vLLM)
     tensor_parallel_size: int = 1
 
-    # ---- CLI ------------------------------------------------------------------------------
+    # ---- CLI (engine/cli_args.py) ---------------------------------------------------------
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
-        d = EngineArgs()
-        if not model_positional:
-            parser.add_argument("--model", default=None,
-                                help="HF directory, .gguf file, or built-in dummy config name "
-                                     "(default: the embedded SmolLM2-135M-Instruct)")
-        parser.add_argument("--load-format", default=d.load_format,
-                            choices=["auto", "safetensors", "gguf", "dummy"])
-        parser.add_argument("--tokenizer", default=None)
-        parser.add_argument("--dtype", default=d.dtype,
-                            choices=["auto", "float32", "bfloat16", "float16"])
-        parser.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
-        parser.add_argument("--max-model-len", type=int, default=None)
-        parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-        parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-        parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
-                            action="store_false")
-        parser.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                            help="a system of the papers' comparison; explicit flags override "
-                                 "it. " + preset_help())
-        parser.add_argument("--layer-segmented-prefill", default=None,
-                            action=argparse.BooleanOptionalAction,
-                            help="prefill prompts layer by layer across steps (SparseServe)")
-        parser.add_argument("--max-inject-tokens", type=int, default=None,
-                            help="layer-segmented prefill work per step, in prompt tokens x "
-                                 "layers (default max-num-batched-tokens x num layers); implies "
-                                 "--layer-segmented-prefill")
-        parser.add_argument("--working-set-control", default=None,
-                            action=argparse.BooleanOptionalAction,
-                            help="two-tier cache: admit requests while their estimated device "
-                                 "working sets fit the device cache (default on with "
-                                 "--kv-offload)")
-        parser.add_argument("--working-set-window", type=int, default=d.working_set_window,
-                            help="decode steps a working set spans (SparseServe's w)")
-        parser.add_argument("--page-size", type=int, default=d.page_size)
-        parser.add_argument("--kv-cache-memory-bytes", type=_parse_bytes, default=None,
-                            help="device KV slots of each tensor-parallel rank (GPU), e.g. 4G "
-                                 "or 4294967296; the summaries, metadata and CUDA graph pool "
-                                 "come on top (default: what gpu_memory_utilization leaves "
-                                 "after all of them and the rank's weight shard)")
-        parser.add_argument("--gpu-memory-utilization", type=float,
-                            default=d.gpu_memory_utilization)
-        parser.add_argument("--seed", type=int, default=d.seed)
-        parser.add_argument("--enforce-eager", action="store_true")
-        parser.add_argument("--cudagraph-mode", default=d.cudagraph_mode,
-                            choices=list(CUDAGRAPH_MODES),
-                            help="CUDA graphs (GPU): FULL_DECODE_ONLY captures whole decode "
-                                 "steps; FULL_AND_PIECEWISE also the layers' attention-free "
-                                 "pieces of steps with prefill work, per token-count bucket")
-        parser.add_argument("--async-scheduling", action="store_true",
-                            help="schedule and launch the next step while the current one runs "
-                                 "on the device (while a request uses penalties or a grammar, "
-                                 "steps run synchronously); one GPU only")
-        parser.add_argument("--kv-offload", default=None, action=argparse.BooleanOptionalAction,
-                            help="two-tier KV cache: every page in host DRAM, HBM caches the "
-                                 "pages sparse decode reads")
-        parser.add_argument("--kv-offloading-size", type=float, default=None,
-                            help="GiB of pinned host memory for the host tier, in total over the "
-                                 "tensor-parallel ranks (each holds 1/N; default: what "
-                                 "max-num-seqs x max-model-len needs, at most half the free "
-                                 "RAM)")
-        parser.add_argument("--h2d-method", default=None, choices=["flash", "memcpy"],
-                            help="page loads (two-tier cache; default flash)")
-        parser.add_argument("--d2h-method", default=None,
-                            choices=["flash", "memcpy", "gpu-direct", "copy-engine"],
-                            help="page saves (two-tier cache; default flash)")
-        parser.add_argument("--eviction", default=None, choices=["category-lru", "lru"],
-                            help="device cache eviction (two-tier cache; default category-lru)")
-        from sparseserve.sparse import available_algorithms
-        parser.add_argument("--sparse-algorithm", default=None,
-                            choices=available_algorithms(),
-                            help="decode attention: dense (default), or a dynamic sparse "
-                                 "algorithm")
-        parser.add_argument("--token-budget", type=int, default=d.token_budget,
-                            help="tokens attended per (request, layer, KV head) in sparse decode")
-        parser.add_argument("--sink-pages", type=int, default=d.sink_pages)
-        parser.add_argument("--local-pages", type=int, default=d.local_pages)
-        parser.add_argument("--dense-layers", type=int, default=d.dense_layers,
-                            help="the first N layers keep dense attention")
-        parser.add_argument("--tensor-parallel-size", "-tp", type=int,
-                            default=d.tensor_parallel_size,
-                            help="ranks (one process and GPU each) sharing the model and its "
-                                 "KV heads; must divide the number of KV heads")
+        from sparseserve.engine.cli_args import add_cli_args
+        add_cli_args(parser, model_positional)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        from sparseserve.engine.cli_args import from_cli_args
+        return from_cli_args(cls, args)
 
     # ---- resolution -----------------------------------------------------------------------
     def resolved(self) -> "EngineArgs":
@@ -303,37 +224,6 @@ class EngineArgs:
             cudagraph_mode=self.cudagraph_mode, parallel=ParallelConfig(tensor_parallel_size=tp),
         )
 
-    def _check_graph_mode(self, device: str, tp: int) -> None:
-        if self.cudagraph_mode not in CUDAGRAPH_MODES:
-            raise ValueError(f"cudagraph_mode {self.cudagraph_mode!r} is not one of "
-                             f"{', '.join(CUDAGRAPH_MODES)}.")
-        if self.cudagraph_mode != "FULL_DECODE_ONLY" and (device != "cuda" or self.enforce_eager
-                                                          or tp > 1):
-            why = ("enforce_eager is set" if self.enforce_eager else
-                   "tensor parallelism runs its layers eagerly" if tp > 1 else
-                   f"there are no CUDA graphs on {device}")
-            logger.warning("cudagraph_mode %s has no effect: %s", self.cudagraph_mode, why)
-
-    def _check_parallel(self, mc: ModelConfig, device: str) -> int:
-        """The tensor-parallel size, checked against the model and the visible GPUs."""
-        from sparseserve.model.parallel import check_tp_divisible
-
-        tp = self.tensor_parallel_size
-        check_tp_divisible(mc, tp)
-        if self.async_scheduling and tp > 1:
-            raise ValueError("async_scheduling runs on one GPU only for now; drop "
-                             "--async-scheduling or use tensor_parallel_size=1.")
-        if self.async_scheduling and device != "cuda":
-            logger.warning("async_scheduling overlaps nothing on %s (its ops run as they are "
-                           "issued): steps run one ahead, with the same results", device)
-        if device == "cuda" and tp > 1:
-            import torch
-            n = torch.cuda.device_count()
-            if tp > n:
-                raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs but {n} are "
-                                 "visible; lower it or expose more GPUs (CUDA_VISIBLE_DEVICES).")
-        return tp
-
     def _host_pages(self, page_bytes: int, mc: ModelConfig, tp: int = 1) -> int:
         """Host pages per rank: kv_offloading_size is the total over the tp ranks."""
         if not self.kv_offload:
@@ -353,57 +243,6 @@ class EngineArgs:
                              "tier, e.g. --kv-offloading-size 64).")
         pages = int(size * GiB) // tp // page_bytes
         return pages // HOST_CHUNK_PAGES * HOST_CHUNK_PAGES  # whole chunks (KVCacheManager)
-
-    def _check_offload(self, sparse: SparseConfig, mc: ModelConfig, num_slots: int,
-                       max_len: int, inject: int | None) -> None:
-        from sparseserve.kvcache.eviction import EVICTION_POLICIES
-        from sparseserve.transfer import D2H_METHODS, H2D_METHODS
-        if not sparse.enabled or sparse.algorithm == "oracle":
-            raise ValueError("kv_offload needs a sparse_algorithm that scores pages from "
-                             "summaries (quest, arkvale, infllm, streaming): dense decode would "
-                             "load every page every step.")
-        if sparse.dense_layers:
-            raise ValueError("kv_offload does not support dense_layers yet; use dense_layers=0.")
-        if self.h2d_method not in H2D_METHODS or self.d2h_method not in D2H_METHODS:
-            raise ValueError(f"h2d_method must be one of {H2D_METHODS}, d2h_method one of "
-                             f"{D2H_METHODS}.")
-        if self.eviction not in EVICTION_POLICIES:
-            raise ValueError(f"eviction must be one of {EVICTION_POLICIES}.")
-        # how many requests decode at once is bounded per step by the scheduler (their
-        # working sets must fit the slots); statically, one longest prompt must fit, since a
-        # prefill keeps every page of its prompt in slots (one layer's worth per pool) —
-        # unless every prompt is prefilled whole and slot-free (layer-segmented, saves ordered
-        # on the device, max_model_len <= max_inject_tokens): then one decode selection must
-        slot_free = (inject is not None and inject >= max_len
-                     and CacheConfig(d2h_method=self.d2h_method).saves_ordered_on_device)
-        tokens = min(max_len, sparse.token_budget) if slot_free else max_len
-        need = -(-tokens // self.page_size) * mc.num_key_value_heads
-        if num_slots < need:
-            what = ("one decode step's selection" if slot_free else
-                    f"a prompt of max_model_len={max_len} tokens while it is prefilled")
-            raise ValueError(f"The device cache has {num_slots} slots per layer but {what} "
-                             f"needs {need}; raise kv_cache_memory_bytes or lower "
-                             "max_model_len (or token_budget).")
-
-    def _sparse_config(self, mc: ModelConfig) -> SparseConfig:
-        from sparseserve.sparse import get_algorithm_class
-        get_algorithm_class(self.sparse_algorithm)  # raises with the list of algorithms
-        if self.token_budget % self.page_size or self.token_budget < 2 * self.page_size:
-            raise ValueError(f"token_budget ({self.token_budget}) must be a multiple of "
-                             f"page_size ({self.page_size}) and at least two pages.")
-        budget_pages = self.token_budget // self.page_size
-        if self.sink_pages < 0 or self.local_pages < 1:
-            raise ValueError("sink_pages must be >= 0 and local_pages >= 1 (the partial last "
-                             "page is always attended).")
-        if self.sink_pages + self.local_pages > budget_pages:
-            raise ValueError(f"sink_pages + local_pages ({self.sink_pages + self.local_pages}) "
-                             f"exceed the token budget of {budget_pages} pages; raise "
-                             "token_budget or keep fewer pages.")
-        if not 0 <= self.dense_layers <= mc.num_hidden_layers:
-            raise ValueError(f"dense_layers must be in [0, {mc.num_hidden_layers}].")
-        return SparseConfig(algorithm=self.sparse_algorithm, token_budget=self.token_budget,
-                            sink_pages=self.sink_pages, local_pages=self.local_pages,
-                            dense_layers=self.dense_layers)
 
     def _kv_bytes(self, device: str, tp: int,
                   draft: Callable[[int], EngineConfig]) -> tuple[int, int | None]:
@@ -450,11 +289,3 @@ def _resolve_dtype(dtype: str, device: str, mc: ModelConfig) -> str:
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} not supported; use auto, float32, bfloat16 or float16.")
     return dtype
-
-
-def _parse_bytes(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().rstrip("ib").rstrip("b")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(float(t))
