@@ -99,7 +99,8 @@ def paged_decode_planned(q, k_cache, v_cache, plan, scale, out=None):
     return out
 
 
-def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=None) -> None:
+def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=None,
+                          box: bool = False) -> None:
     """(Re)compute per-page key summaries in place.
 
     Args:
@@ -113,7 +114,10 @@ def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=Non
                                        row: a per-call buffer, so a captured step owns it):
                                        mean over valid tokens t of |c - k_t| with
                                        c = (kmin + kmax) / 2; padding entries' rows untouched
+        box:        ArkVale's box [c - r, c + r] into kmin / kmax instead (no kradius): min, max
+                    and r rounded to the summary dtype first, then c -/+ r in fp32
     """
+    assert not (box and kradius is not None), "box writes the box itself: no radius buffer"
     page_size = k_cache.shape[1]
     keep = page_ids >= 0                                                       # [N]
     ids = page_ids[keep].to(torch.long)                                        # [N']
@@ -122,12 +126,21 @@ def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=Non
     tok_ok = (torch.arange(page_size, device=k.device).view(1, -1) < n.view(-1, 1)).unsqueeze(-1)
     mn = torch.where(tok_ok, k, torch.full_like(k, float("inf"))).amin(dim=1)   # [N', D]
     mx = torch.where(tok_ok, k, torch.full_like(k, float("-inf"))).amax(dim=1)  # [N', D]
-    kmin[ids] = mn.to(kmin.dtype)
-    kmax[ids] = mx.to(kmax.dtype)
-    if kradius is not None:
+    if not box:
+        kmin[ids] = mn.to(kmin.dtype)
+        kmax[ids] = mx.to(kmax.dtype)
+    if kradius is not None or box:
         c = (mn + mx) * 0.5
         dev = torch.where(tok_ok, (c.unsqueeze(1) - k).abs(), torch.zeros_like(k))
-        kradius[keep] = (dev.sum(dim=1) / n.view(-1, 1).float()).to(kradius.dtype)
+        r = dev.sum(dim=1) / n.view(-1, 1).float()
+        if not box:
+            kradius[keep] = r.to(kradius.dtype)
+            return
+        dt = kmin.dtype
+        cb = (mn.to(dt).float() + mx.to(dt).float()) * 0.5
+        rb = r.to(dt).float()
+        kmin[ids] = (cb - rb).to(dt)
+        kmax[ids] = (cb + rb).to(dt)
 
 
 def sub_page_rows(page_ids, num_tokens, n_sub, sub_size):

@@ -55,16 +55,17 @@ class Quest(SparseAlgorithm):
         return (summaries["kmin"].view(-1, summaries["kmin"].shape[1] // self.n_sub),
                 summaries["kmax"].view(-1, summaries["kmax"].shape[1] // self.n_sub))
 
-    def _index_boxes(self, k_cache, page_ids, num_tokens, kmin, kmax, radius=None):
-        """Per-box min / max of the listed pages (rows [S * n_sub, D]) and, with `radius`
-        [N * n_sub, D], ArkVale's radius per listed entry (box j of entry i at i * n_sub + j)."""
+    def _index_boxes(self, k_cache, page_ids, num_tokens, kmin, kmax, box=False):
+        """Per-box min / max of the listed pages (rows [S * n_sub, D]); `box`: ArkVale's box
+        [c - r, c + r] of each instead (kernels.update_page_summaries)."""
         n = self.n_sub
         if n == 1:
-            update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, radius)
+            update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, box=box)
             return
         P, ps, D = k_cache.shape
         ids, ntok = sub_page_rows(page_ids, num_tokens, n, ps // n)
-        update_page_summaries(k_cache.reshape(P * n, ps // n, D), ids, ntok, kmin, kmax, radius)
+        update_page_summaries(k_cache.reshape(P * n, ps // n, D), ids, ntok, kmin, kmax,
+                              box=box)
         # boxes without a valid token (a partial page) repeat box 0: the page's max unchanged
         S = kmin.shape[0] // n
         rows = torch.where(page_ids >= 0, page_ids, S - 1).long()  # masked -> scratch row
@@ -74,9 +75,6 @@ class Quest(SparseAlgorithm):
             v = t.view(S, n, D)
             cur = v[rows]
             v[rows] = torch.where(empty, cur[:, :1], cur)
-        if radius is not None:
-            r = radius.view(-1, n, D)
-            r.copy_(torch.where(empty, r[:, :1], r))
 
     def index(self, k_cache, page_ids, num_tokens, summaries, queries):
         kmin, kmax = self._boxes(summaries)
@@ -119,21 +117,10 @@ class ArkVale(Quest):
     fused select reuse Quest's kernels."""
 
     def index(self, k_cache, page_ids, num_tokens, summaries, queries):
+        # each listed page's box [c - r, c + r] in one summary launch (c: the min-max
+        # centre, r: the mean |c - k| per channel, each rounded to the summary dtype first)
         kmin, kmax = self._boxes(summaries)
-        n = self.n_sub
-        # the radius of each listed entry's boxes [N * n_sub, D], allocated per call: a buffer
-        # kept across calls would be freed when a call of another size replaced it, while a
-        # CUDA graph captured with it kept writing there (the two-tier decode's graph fault)
-        radius = torch.zeros((page_ids.shape[0] * n, kmin.shape[1]), dtype=kmin.dtype,
-                             device=kmin.device)
-        self._index_boxes(k_cache, page_ids, num_tokens, kmin, kmax, radius)
-        # the box rows of the listed pages (masked lanes -> the scratch row's boxes, radius 0)
-        pages = torch.where(page_ids >= 0, page_ids, kmin.shape[0] // n - 1).long()
-        rows = (pages.view(-1, 1) * n + torch.arange(n, device=pages.device)).reshape(-1)
-        c = (kmin[rows].float() + kmax[rows].float()) * 0.5
-        r = radius.float()
-        kmin[rows] = (c - r).to(kmin.dtype)
-        kmax[rows] = (c + r).to(kmax.dtype)
+        self._index_boxes(k_cache, page_ids, num_tokens, kmin, kmax, box=True)
 
 
 @register("infllm")

@@ -161,6 +161,8 @@ class ForwardContext:
         nd = self.num_decode
         if nd and not sparse and not self.prefills:
             return self._dense_decode(q, k_cache, v_cache)  # a decode-only batch: no copy
+        if not nd and len(self.prefills) == 1:  # one chunk alone (a hybrid step's eager part)
+            return self._prefill(self.prefills[0], q, k, v, k_cache, v_cache)
         out = torch.empty_like(q)
         if nd and sparse:
             sel = self.sparse.algorithm.select(q[:nd], self.dec_page_table, self.dec_num_pages,

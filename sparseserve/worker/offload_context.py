@@ -71,6 +71,8 @@ class OffloadForwardContext(ForwardContext):
         summaries = self.sparse.summaries[layer]
         if nd and not self.prefills and nd == q.shape[0]:  # decode only: no copy into `out`
             return self._decode(layer, q, k, v, summaries)
+        if not nd and len(self.prefills) == 1:  # one chunk or segment alone: no copy either
+            return self._offload_prefill(layer, self.prefills[0], q, k, v, summaries)
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(layer, q[:nd], k[:nd], v[:nd], summaries)

@@ -95,10 +95,9 @@ class PaddedCausalAttention:
         b = bucket_length(n)
         if b > self.max_bucket:
             return None
-        qb, kb, vb = self._buffers(b, fill=False)
-        for buf, src in ((qb, q), (kb, k), (vb, v)):
-            buf[:n].copy_(src)
-            buf[n:].zero_()  # padded keys are masked, but 0 * NaN in P @ V would not be
+        # zero padding (padded keys are masked, but 0 * NaN in P @ V would not be), one
+        # launch per tensor: the layout the plans were built with ([b, H, D] contiguous)
+        qb, kb, vb = (F.pad(x, (0, 0, 0, 0, 0, b - n)) for x in (q, k, v))
         return self._run(qb, kb, vb)[:n]
 
     def _buffers(self, b: int, fill: bool = True):

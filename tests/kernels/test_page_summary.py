@@ -109,3 +109,49 @@ def test_summaries_dtypes(dtype):
     exp = _loop_reference(kc.cpu().float(), ids.cpu(), nt.cpu(), S, 128)
     for g, e in zip(got, exp):
         close(g, e.to(dtype), dtype)
+
+
+def _two_step_box(fn, kc, ids, nt, kmin, kmax):
+    """ArkVale's box the way it was written before `box` existed: min / max / radius into the
+    summary dtype, then c -/+ r in fp32 at the listed pages' rows."""
+    krad = torch.zeros((len(ids), kmin.shape[1]), dtype=kmin.dtype, device=kmin.device)
+    fn(kc, ids, nt, kmin, kmax, krad)
+    keep = ids >= 0
+    rows = ids[keep].long()
+    c = (kmin[rows].float() + kmax[rows].float()) * 0.5
+    r = krad[keep].float()
+    kmin[rows] = (c - r).to(kmin.dtype)
+    kmax[rows] = (c + r).to(kmax.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ps,D", [(32, 128), (16, 64)])
+def test_box_equals_two_step_form(dtype, ps, D):
+    """`box=True` (one launch) writes the box of min / max / radius followed by the torch
+    epilogue, at odd page fills (1, 17, 54, 97 tokens; 4097 on a GPU): bit for bit in the
+    reference, and in the compiled kernel against its own two-step form; against the
+    reference within the dtype's tolerance (the radius sums in another order; the
+    interpreter's own fp32 -> bf16 casts truncate, which the box path avoids by rounding to
+    nearest even itself). Padding entries and unlisted rows stay untouched."""
+    gen = torch.Generator().manual_seed(ps * D)
+    lens = [1, 17, 54, 97, 4097] if DEVICE.type == "cuda" else [1, 17, 54, 97]
+    k_cache, ids, nt = _case(lens, ps, D, gen)
+    S = k_cache.shape[0] + 1
+    kc, ids, nt = to_dev(k_cache.to(dtype), ids, nt)
+    listed = torch.zeros(S, dtype=torch.bool, device=DEVICE)
+    listed[ids[ids >= 0].long()] = True
+    boxes = {}
+    for fn in (ref.update_page_summaries, update_page_summaries):
+        got = _buffers(S, D, 0, dtype)[:2]
+        fn(kc, ids, nt, *got, box=True)
+        boxes[fn] = got
+        assert (got[0][~listed] == SENTINEL).all() and (got[1][~listed] == SENTINEL).all()
+        assert (got[0][listed] <= got[1][listed]).all()
+        if fn is ref.update_page_summaries or DEVICE.type == "cuda":
+            want = _buffers(S, D, 0, dtype)[:2]
+            _two_step_box(fn, kc, ids, nt, *want)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), fn
+    for g, w in zip(boxes[update_page_summaries], boxes[ref.update_page_summaries]):
+        close(g, w, dtype)
+    with pytest.raises(AssertionError, match="no radius buffer"):
+        update_page_summaries(kc, ids, nt, *_buffers(S, D, len(ids), dtype), box=True)

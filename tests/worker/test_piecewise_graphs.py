@@ -115,18 +115,21 @@ def _generate(path, piecewise, **kw):
         runner.piecewise.run = lambda *a: calls.append(a[0].shape[0]) or run(*a)
     prompts = [{"prompt_token_ids": [3 + (j * (i + 7)) % 300 for j in range(n)]}
                for i, n in enumerate(LENS)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-                        use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     llm.engine.check_invariants()
-    return [o.outputs[0].token_ids for o in outs], calls
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], calls
 
 
-@pytest.mark.parametrize("preset", ["dense", "sparseserve"])
+@pytest.mark.parametrize("preset", ["dense", "sparse", "sparseserve"])
 def test_engine_tokens_equal_eager(tiny_model_dirs, preset):
-    """Chunked prefill beside decode rows (dense), layer segments over the two-tier cache with
-    a device cache smaller than the batch (sparseserve): piecewise == op by op."""
+    """Chunked prefill beside decode rows (dense; sparse decode over HBM pages), layer
+    segments over the two-tier cache with a device cache smaller than the batch
+    (sparseserve): piecewise == op by op, tokens and their logprobs."""
     path, _ = tiny_model_dirs["llama-gqa"]
     kw = {}
+    if preset == "sparse":
+        kw = dict(preset="sparse", token_budget=64, sink_pages=1, local_pages=1)
     if preset == "sparseserve":
         page_bytes = 2 * 3 * 16 * 16 * 4
         kw = dict(preset="sparseserve", token_budget=64, sink_pages=1, local_pages=1,
@@ -134,7 +137,12 @@ def test_engine_tokens_equal_eager(tiny_model_dirs, preset):
                   kv_offloading_size=400 * page_bytes / 2**30)
     want, _ = _generate(path, False, **kw)
     got, calls = _generate(path, True, **kw)
-    assert got == want
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, lp_got), (_, lp_want) in zip(got, want):
+        for g, w in zip(lp_got, lp_want):  # per token {id: Logprob}: same ids, close values
+            assert g.keys() == w.keys()
+            for tok in g:
+                assert abs(g[tok].logprob - w[tok].logprob) < 1e-4
     assert calls and max(calls) <= 40  # steps with prefill work went through the pieces
 
 
