@@ -81,23 +81,24 @@ class Counter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def gpu_paths(counter: Counter, cache):
-    """Force the GPU's dispatch on CPU tensors and count Triton launches."""
-    import sparseserve.kernels as K
-    import sparseserve.worker.offload_context as OC
-    from triton.runtime import interpreter, jit
-
+def patched():
+    """-> patch(obj, name, value): set attributes for the block, restored after it."""
     saved = []
 
     def patch(obj, name, value):
         saved.append((obj, name, getattr(obj, name)))
         setattr(obj, name, value)
+    try:
+        yield patch
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
 
-    resolve = K.resolve_backend
-    patch(K, "resolve_backend", lambda backend, t: "triton" if backend in (None, "auto")
-          else resolve(backend, t))
-    pda = K.paged_decode_attention
-    patch(OC, "paged_decode_attention", lambda *a, **kw: pda(*a, **{**kw, "backend": "triton"}))
+
+def count_triton(counter: Counter, patch) -> None:
+    """Count every Triton launch (compiled or interpreted) in `counter`, by kernel name."""
+    from triton.runtime import interpreter, jit
+
     for cls in (interpreter.InterpretedFunction, jit.JITFunction):
         run = cls.run
 
@@ -109,14 +110,25 @@ def gpu_paths(counter: Counter, cache):
             finally:
                 counter.in_triton -= 1
         patch(cls, "run", counted)
-    cache.fused = True
-    patch(cache.loader, "backend", "triton")
 
-    try:
+
+@contextlib.contextmanager
+def gpu_paths(counter: Counter, cache):
+    """Force the GPU's dispatch on CPU tensors and count Triton launches."""
+    import sparseserve.kernels as K
+    import sparseserve.worker.offload_context as OC
+
+    with patched() as patch:
+        resolve = K.resolve_backend
+        patch(K, "resolve_backend", lambda backend, t: "triton" if backend in (None, "auto")
+              else resolve(backend, t))
+        pda = K.paged_decode_attention
+        patch(OC, "paged_decode_attention",
+              lambda *a, **kw: pda(*a, **{**kw, "backend": "triton"}))
+        count_triton(counter, patch)
+        cache.fused = True
+        patch(cache.loader, "backend", "triton")
         yield
-    finally:
-        for obj, name, value in reversed(saved):
-            setattr(obj, name, value)
 
 
 def build(tmp: str, args):
@@ -181,19 +193,23 @@ def main() -> None:
         finally:
             OffloadForwardContext.attention = real
         cache.check_invariants()
+    report(counter, {"decode_fills": fills_seen[0] if fills_seen else None}, args.json)
+
+
+def report(counter: Counter, head: dict, json_path: str | None) -> None:
+    """Print launches per layer (and the last layer's by name); write them with `head` as
+    JSON when json_path is given."""
     layers = sorted(counter.ops)
-    res = {"decode_fills": fills_seen[0] if fills_seen else None,
-           "per_layer": {str(layer): sum(counter.ops[layer].values()) for layer in layers},
-           "ops": {str(layer): dict(sorted(counter.ops[layer].items())) for layer in layers}}
+    res = dict(head, per_layer={str(layer): sum(counter.ops[layer].values()) for layer in layers},
+               ops={str(layer): dict(sorted(counter.ops[layer].items())) for layer in layers})
     for layer in layers:
         c = counter.ops[layer]
         print(f"layer {layer}: {sum(c.values())} launches "
               f"({sum(v for n, v in c.items() if n.startswith('triton.'))} Triton)")
-    last = counter.ops[layers[-1]]
-    for name, n in sorted(last.items()):
+    for name, n in sorted((counter.ops[layers[-1]] if layers else {}).items()):
         print(f"  {n:3d}  {name}")
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(res, f, indent=1)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import tempfile
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (CPU: interpreter)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from decode_launches import Counter, gpu_paths  # noqa: E402
+from decode_launches import Counter, count_triton, gpu_paths, patched, report  # noqa: E402
 
 
 def build(tmp: str, args):
@@ -130,50 +129,17 @@ def main() -> None:
                 eng.step()
         if cache is not None:
             cache.check_invariants()
-    layers = sorted(counter.ops)
-    res = {"preset": args.preset, "continue": args.cont, "args": vars(args),
-           "per_layer": {str(layer): sum(counter.ops[layer].values()) for layer in layers},
-           "ops": {str(layer): dict(sorted(counter.ops[layer].items())) for layer in layers}}
-    for layer in layers:
-        c = counter.ops[layer]
-        print(f"layer {layer}: {sum(c.values())} launches "
-              f"({sum(v for n, v in c.items() if n.startswith('triton.'))} Triton)")
-    last = counter.ops[layers[-1]] if layers else {}
-    for name, n in sorted(last.items()):
-        print(f"  {n:3d}  {name}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    report(counter, {"preset": args.preset, "continue": args.cont, "args": vars(args)},
+           args.json)
 
 
 @contextlib.contextmanager
 def _triton_counted(counter: Counter):
-    """Triton launches counted (decode_launches.gpu_paths without the two-tier cache's
-    parts; decode rows, if any, keep the CPU decode path)."""
-    from triton.runtime import interpreter, jit
-
-    saved = []
-
-    def patch(obj, name, value):
-        saved.append((obj, name, getattr(obj, name)))
-        setattr(obj, name, value)
-
-    for cls in (interpreter.InterpretedFunction, jit.JITFunction):
-        run = cls.run
-
-        def counted(self, *a, _run=run, **kw):
-            counter.triton(getattr(self.fn, "__name__", str(self.fn)))
-            counter.in_triton += 1
-            try:
-                return _run(self, *a, **kw)
-            finally:
-                counter.in_triton -= 1
-        patch(cls, "run", counted)
-    try:
+    """Triton launches counted (gpu_paths without the two-tier cache's parts; decode rows,
+    if any, keep the CPU decode path)."""
+    with patched() as patch:
+        count_triton(counter, patch)
         yield
-    finally:
-        for obj, name, value in reversed(saved):
-            setattr(obj, name, value)
 
 
 if __name__ == "__main__":
