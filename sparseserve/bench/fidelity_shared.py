@@ -33,6 +33,7 @@ class SharedText:
         self.hkv = num_kv_heads
         self.ps = kv.page_size
         self.nb = -(-num_tokens // self.ps)
+        self.num_tokens = num_tokens
         self.scale = scale
         self.layer_of = {t.data_ptr(): i for i, t in enumerate(kv.k)}
         self.seq_lens: torch.Tensor | None = None  # [B] tokens each row attends (position + 1)
@@ -47,10 +48,14 @@ class SharedText:
         self._cache = None
 
     def _text(self, cache: torch.Tensor) -> torch.Tensor:
-        """[Hkv, nb * ps, D] fp32: the text's K or V in token order."""
+        """[Hkv, nb * ps, D] fp32: the text's K or V in token order, zeros past its last token
+        (the last page's unwritten slots hold whatever the allocator left — NaN at times —
+        and a masked logit's zero weight times NaN in V would still be NaN)."""
         d = cache.shape[-1]
         pages = cache[self.base:self.base + self.nb * self.hkv].view(self.nb, self.hkv, self.ps, d)
-        return pages.transpose(0, 1).reshape(self.hkv, self.nb * self.ps, d).float()
+        text = pages.transpose(0, 1).reshape(self.hkv, self.nb * self.ps, d).float()
+        tok = torch.arange(self.nb * self.ps, device=text.device).view(1, -1, 1)
+        return torch.where(tok < self.num_tokens, text, 0.0)
 
     def _scores(self, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale * q·K [B, Hkv, G, N], causal softmax of it), cached per layer and query."""

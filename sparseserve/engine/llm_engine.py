@@ -4,33 +4,20 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from sparseserve.engine.args import EngineArgs
 from sparseserve.engine.detokenizer import IncrementalDetokenizer
+from sparseserve.engine.output_processing import OutputProcessing, ParentRequest
 from sparseserve.engine.scheduler import Scheduler
-from sparseserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from sparseserve.outputs import RequestOutput
 from sparseserve.request import Request, RequestStatus, SamplingParams
 from sparseserve.validation import INT64_MAX, INT64_MIN, ParamError
 
 logger = logging.getLogger("sparseserve")
 
 
-@dataclass
-class _Parent:
-    """A user request; with n > 1 it fans out into n child requests."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request]
-    detok: dict[str, IncrementalDetokenizer] = field(default_factory=dict)
-    cumulative_logprob: dict[str, float] = field(default_factory=dict)
-    prompt_logprobs: list[Any] | None = None  # RequestOutput.prompt_logprobs, once complete
-
-
-class LLMEngine:
+class LLMEngine(OutputProcessing):
     def __init__(self, args: EngineArgs) -> None:
         from sparseserve.engine.executor import make_executor
         from sparseserve.model.loader import load_tokenizer
@@ -54,7 +41,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(mc.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer is not None
             and self.tokenizer.eos_token_id is not None else ())
-        self._parents: dict[str, _Parent] = {}
+        self._parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[str, str] = {}
         self._grammar_backend = None  # sparseserve.structured.backend.GrammarBackend, lazily
         self.step_count = 0
@@ -135,7 +122,7 @@ class LLMEngine:
                              "> 1 yet; serve with tensor_parallel_size=1 or drop the "
                              "response format / structured_outputs.")
         self.grammars.update(matchers)  # the sampler masks with them from now on
-        parent = _Parent(request_id, text, list(ids), children)
+        parent = ParentRequest(request_id, text, list(ids), children)
         for req in children:
             parent.detok[req.request_id] = IncrementalDetokenizer(
                 self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
@@ -246,111 +233,6 @@ class LLMEngine:
                 req.num_pending -= 1
         self.scheduler.record_working_sets(out, res.working_sets)
         return self._take_outputs(out, res)
-
-    def _take_outputs(self, out, res) -> list[RequestOutput]:
-        """Append a finished step's tokens to its requests (stops, lengths) and build the
-        outputs of the requests it touched."""
-        sched = self.scheduler
-        self.last_step_host_time_s = res.host_time_s
-        self.step_count += 1
-        now = time.time()
-        touched: dict[str, list[float]] = {}
-        for rid, (first, entries) in res.prompt_logprobs.items():
-            req = sched.requests.get(rid)
-            if req is not None and req.prompt_logprobs:
-                req.prompt_logprobs[first:first + len(entries)] = entries
-        for chunk in out.chunks:
-            req = sched.requests.get(chunk.request_id)
-            tok = res.token_ids.get(chunk.request_id)
-            if req is None or tok is None or req.is_finished:
-                continue
-            self._append_token(req, tok, res.logprobs.get(req.request_id), now)
-            touched.setdefault(self._child_parent[req.request_id], []).append(now)
-        self.executor.release(*sched.take_freed())  # finished requests leave the worker now
-        outputs = []
-        for pid, times in touched.items():
-            parent = self._parents[pid]
-            ro = self._make_output(parent, times)
-            outputs.append(ro)
-            if ro.finished:
-                del self._parents[pid]
-                for req in parent.children:
-                    self._child_parent.pop(req.request_id, None)
-                    self.grammars.pop(req.request_id, None)
-        return outputs
-
-    def _append_token(self, req: Request, tok: int, logprobs, now: float) -> None:
-        req.output_token_ids.append(tok)
-        if logprobs is not None:
-            req.logprobs.append(logprobs)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        req.last_token_time = now
-        parent = self._parents[self._child_parent[req.request_id]]
-        detok = parent.detok[req.request_id]
-        detok.add(tok)
-        params = req.sampling_params
-        n_out = len(req.output_token_ids)
-        status = None
-        grammar = self.grammars.get(req.request_id)
-        if grammar is not None:
-            grammar.consume_token(tok)  # the mask allowed only tokens it accepts
-        if detok.stopped_by is not None:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stopped_by
-        elif n_out >= params.min_tokens and tok in params.stop_token_ids:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
-        elif n_out >= params.min_tokens and not params.ignore_eos and tok in req.eos_token_ids:
-            status = RequestStatus.FINISHED_STOPPED  # stop_reason None on EOS, as in vLLM
-        # the grammar cannot go on: it ends the request, even before min_tokens (the output
-        # stays valid for its grammar; worker/min_tokens.py)
-        elif grammar is not None and grammar.is_stopped():
-            status = RequestStatus.FINISHED_STOPPED
-        elif n_out >= req.max_tokens:
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            self.grammars.pop(req.request_id, None)
-            detok.flush()
-            req.finished_time = now
-            self.scheduler.finish(req, status)
-
-    def _make_output(self, parent: _Parent, times: list[float]) -> RequestOutput:
-        outs = []
-        for i, req in enumerate(parent.children):
-            detok = parent.detok[req.request_id]
-            text = detok.text
-            ids = list(req.output_token_ids)
-            lps = None
-            if req.sampling_params.logprobs is not None:
-                lps = [{t: Logprob(lp, rank, self._decode_one(t)) for t, (lp, rank) in d.items()}
-                       for d in req.logprobs]
-            cum = sum(d[t][0] for d, t in zip(req.logprobs, ids)) if req.logprobs else None
-            outs.append(CompletionOutput(index=i, text=text, token_ids=ids,
-                                         cumulative_logprob=cum, logprobs=lps,
-                                         finish_reason=req.finish_reason,
-                                         stop_reason=req.stop_reason))
-        first = parent.children[0]
-        if parent.prompt_logprobs is None and first.prompt_logprobs and first.output_token_ids:
-            parent.prompt_logprobs = [None] + [
-                {t: Logprob(lp, rank, self._decode_one(t)) for t, (lp, rank) in d.items()}
-                if d is not None else None for d in first.prompt_logprobs[1:]]
-        metrics = RequestMetrics(
-            arrival_time=first.arrival_time,
-            first_scheduled_time=min((r.first_scheduled_time for r in parent.children
-                                      if r.first_scheduled_time), default=None),
-            first_token_time=min((r.first_token_time for r in parent.children
-                                  if r.first_token_time), default=None),
-            last_token_time=max((r.last_token_time or 0 for r in parent.children), default=None),
-            finished_time=max((r.finished_time or 0 for r in parent.children), default=None),
-            num_preemptions=sum(r.num_preemptions for r in parent.children))
-        finished = all(r.is_finished for r in parent.children)
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
-                             finished=finished, metrics=metrics, new_token_times=times,
-                             prompt_logprobs=parent.prompt_logprobs)
-
-    def _decode_one(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode([token_id])
 
     # ---- introspection --------------------------------------------------------------------
     def get_stats(self, fresh: bool = True) -> dict[str, Any]:

@@ -90,18 +90,20 @@ def paged_decode_attention(q, k_cache, v_cache, page_table, num_pages, last_page
 
 
 def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=None, *,
-                          box: bool = False, backend=None) -> None:
+                          box: bool = False, write_ids=None, backend=None) -> None:
     """In-place page summaries; see ``page_summary.update_page_summaries``.
 
     k_cache [P, page_size, D], page_ids [N] int32 (< 0 = skip), num_tokens [N] int32,
-    kmin/kmax [S, D] (written at row page_ids[i]), kradius [N, D] (written at row i);
-    box: ArkVale's box [c - r, c + r] into kmin / kmax instead (no kradius).
+    kmin/kmax [S, D] (written at row page_ids[i], or write_ids[i] [N] when given), kradius
+    [N, D] (written at row i); box: ArkVale's box [c - r, c + r] into kmin / kmax instead
+    (no kradius).
     """
     if resolve_backend(backend, k_cache) == "torch":
         return ref.update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius,
-                                         box=box)
+                                         box=box, write_ids=write_ids)
     from .page_summary import update_page_summaries as _triton
-    return _triton(k_cache, page_ids, num_tokens, kmin, kmax, kradius, box=box)
+    return _triton(k_cache, page_ids, num_tokens, kmin, kmax, kradius, box=box,
+                   write_ids=write_ids)
 
 
 def score_pages(q, kmin, kmax, kradius, page_table, num_pages, mode, out=None, *, backend=None,

@@ -21,16 +21,19 @@ __all__ = ["update_page_summaries"]
 
 @triton.jit
 def _page_summary_kernel(
-    k_ptr, ids_ptr, ntok_ptr, kmin_ptr, kmax_ptr, krad_ptr,
+    k_ptr, ids_ptr, out_ptr, ntok_ptr, kmin_ptr, kmax_ptr, krad_ptr,
     stride_kp, stride_kt, stride_min, stride_max, stride_rad,
     D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_RADIUS: tl.constexpr, BOX: tl.constexpr, KIND: tl.constexpr,
+    HAS_RADIUS: tl.constexpr, BOX: tl.constexpr, KIND: tl.constexpr, HAS_OUT: tl.constexpr,
 ):
     i = tl.program_id(0)
     page = tl.load(ids_ptr + i)
     n = tl.load(ntok_ptr + i)
     live = page >= 0
     page = tl.maximum(page, 0).to(tl.int64)
+    row = page  # the summary row: the page's own, or the caller's write id
+    if HAS_OUT:
+        row = tl.maximum(tl.load(out_ptr + i), 0).to(tl.int64)
     offs_t = tl.arange(0, PAGE_SIZE)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = (offs_d < D) & live
@@ -41,9 +44,9 @@ def _page_summary_kernel(
     mn = tl.min(tl.where(mask, k, float("inf")), axis=0)                    # [BLOCK_D]
     mx = tl.max(tl.where(mask, k, float("-inf")), axis=0)                   # [BLOCK_D]
     if not BOX:
-        tl.store(kmin_ptr + page * stride_min + offs_d, mn.to(kmin_ptr.dtype.element_ty),
+        tl.store(kmin_ptr + row * stride_min + offs_d, mn.to(kmin_ptr.dtype.element_ty),
                  mask=d_ok)
-        tl.store(kmax_ptr + page * stride_max + offs_d, mx.to(kmax_ptr.dtype.element_ty),
+        tl.store(kmax_ptr + row * stride_max + offs_d, mx.to(kmax_ptr.dtype.element_ty),
                  mask=d_ok)
     if HAS_RADIUS or BOX:
         c = (tl.where(d_ok, mn, 0.0) + tl.where(d_ok, mx, 0.0)) * 0.5   # dead rows: no inf - inf
@@ -56,9 +59,9 @@ def _page_summary_kernel(
             dt = kmin_ptr.dtype.element_ty
             cb = (_round_to(mn, KIND) + _round_to(mx, KIND)) * 0.5
             rb = _round_to(r, KIND)
-            tl.store(kmin_ptr + page * stride_min + offs_d, _round_to(cb - rb, KIND).to(dt),
+            tl.store(kmin_ptr + row * stride_min + offs_d, _round_to(cb - rb, KIND).to(dt),
                      mask=d_ok)
-            tl.store(kmax_ptr + page * stride_max + offs_d, _round_to(cb + rb, KIND).to(dt),
+            tl.store(kmax_ptr + row * stride_max + offs_d, _round_to(cb + rb, KIND).to(dt),
                      mask=d_ok)
         else:
             # per entry, not per summary row: the caller's buffer is [N, D] (see the wrapper)
@@ -67,7 +70,7 @@ def _page_summary_kernel(
 
 
 def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=None,
-                          box: bool = False) -> None:
+                          box: bool = False, write_ids=None) -> None:
     """(Re)compute per-page key summaries in place.
 
     Args:
@@ -84,6 +87,9 @@ def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=Non
         box:        ArkVale's box instead (kradius must be None): kmin / kmax rows get
                     c - r / c + r, with min, max and r first rounded to the summary dtype
                     (bit-equal to writing min / max / radius, then that epilogue in torch)
+        write_ids:  [N] int32/int64 or None: the summary row of entry i (default page_ids[i]):
+                    a page read where it lies (a device slot) summarised at another row
+                    (its host page id); unique where page_ids >= 0
     Summaries are computed in fp32 and stored in the summary tensors' dtype.
     """
     P, page_size, D = k_cache.shape
@@ -101,9 +107,13 @@ def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=Non
     krad = kradius if has_radius else kmin
     BLOCK_D = max(16, triton.next_power_of_2(D))
     # one warp per page: 2.4 TB/s on an H200 at page 32 x D 128 bf16 (4 warps: 0.56 TB/s)
+    has_out = write_ids is not None
+    if has_out:
+        assert write_ids.shape == (N,) and write_ids.is_contiguous()
     _page_summary_kernel[(N,)](
-        k_cache, page_ids, num_tokens, kmin, kmax, krad,
+        k_cache, page_ids, write_ids if has_out else page_ids, num_tokens, kmin, kmax, krad,
         k_cache.stride(0), k_cache.stride(1), kmin.stride(0), kmax.stride(0), krad.stride(0),
         D=D, PAGE_SIZE=page_size, BLOCK_D=BLOCK_D,
-        HAS_RADIUS=has_radius, BOX=box, KIND=_kind(kmin) if box else 0, num_warps=max(1, min(8, page_size * BLOCK_D // 4096)),
+        HAS_RADIUS=has_radius, BOX=box, KIND=_kind(kmin) if box else 0, HAS_OUT=has_out,
+        num_warps=max(1, min(8, page_size * BLOCK_D // 4096)),
         enable_fp_fusion=False)

@@ -100,7 +100,7 @@ def paged_decode_planned(q, k_cache, v_cache, plan, scale, out=None):
 
 
 def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=None,
-                          box: bool = False) -> None:
+                          box: bool = False, write_ids=None) -> None:
     """(Re)compute per-page key summaries in place.
 
     Args:
@@ -116,19 +116,22 @@ def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=Non
                                        c = (kmin + kmax) / 2; padding entries' rows untouched
         box:        ArkVale's box [c - r, c + r] into kmin / kmax instead (no kradius): min, max
                     and r rounded to the summary dtype first, then c -/+ r in fp32
+        write_ids:  [N] or None            the rows kmin / kmax of entry i go to (default:
+                                           page_ids[i]); unique where page_ids >= 0
     """
     assert not (box and kradius is not None), "box writes the box itself: no radius buffer"
     page_size = k_cache.shape[1]
     keep = page_ids >= 0                                                       # [N]
     ids = page_ids[keep].to(torch.long)                                        # [N']
+    rows = ids if write_ids is None else write_ids[keep].to(torch.long)        # [N']
     n = num_tokens[keep].to(torch.long)                                        # [N']
     k = k_cache[ids].float()                                                   # [N', ps, D]
     tok_ok = (torch.arange(page_size, device=k.device).view(1, -1) < n.view(-1, 1)).unsqueeze(-1)
     mn = torch.where(tok_ok, k, torch.full_like(k, float("inf"))).amin(dim=1)   # [N', D]
     mx = torch.where(tok_ok, k, torch.full_like(k, float("-inf"))).amax(dim=1)  # [N', D]
     if not box:
-        kmin[ids] = mn.to(kmin.dtype)
-        kmax[ids] = mx.to(kmax.dtype)
+        kmin[rows] = mn.to(kmin.dtype)
+        kmax[rows] = mx.to(kmax.dtype)
     if kradius is not None or box:
         c = (mn + mx) * 0.5
         dev = torch.where(tok_ok, (c.unsqueeze(1) - k).abs(), torch.zeros_like(k))
@@ -139,8 +142,8 @@ def update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, kradius=Non
         dt = kmin.dtype
         cb = (mn.to(dt).float() + mx.to(dt).float()) * 0.5
         rb = r.to(dt).float()
-        kmin[ids] = (cb - rb).to(dt)
-        kmax[ids] = (cb + rb).to(dt)
+        kmin[rows] = (cb - rb).to(dt)
+        kmax[rows] = (cb + rb).to(dt)
 
 
 def sub_page_rows(page_ids, num_tokens, n_sub, sub_size):

@@ -55,13 +55,21 @@ class Quest(SparseAlgorithm):
         return (summaries["kmin"].view(-1, summaries["kmin"].shape[1] // self.n_sub),
                 summaries["kmax"].view(-1, summaries["kmax"].shape[1] // self.n_sub))
 
-    def _index_boxes(self, k_cache, page_ids, num_tokens, kmin, kmax, box=False):
+    @property
+    def indexes_apart(self) -> bool:  # SparseAlgorithm.indexes_apart: one box per page
+        return self.n_sub == 1
+
+    def _index_boxes(self, k_cache, page_ids, num_tokens, kmin, kmax, box=False,
+                     write_ids=None):
         """Per-box min / max of the listed pages (rows [S * n_sub, D]); `box`: ArkVale's box
-        [c - r, c + r] of each instead (kernels.update_page_summaries)."""
+        [c - r, c + r] of each instead (kernels.update_page_summaries); `write_ids` (one box
+        per page only): the rows they go to, instead of the pages' own."""
         n = self.n_sub
         if n == 1:
-            update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, box=box)
+            update_page_summaries(k_cache, page_ids, num_tokens, kmin, kmax, box=box,
+                                  write_ids=write_ids)
             return
+        assert write_ids is None, "sub-page boxes are written at their pages' rows"
         P, ps, D = k_cache.shape
         ids, ntok = sub_page_rows(page_ids, num_tokens, n, ps // n)
         update_page_summaries(k_cache.reshape(P * n, ps // n, D), ids, ntok, kmin, kmax,
@@ -76,9 +84,9 @@ class Quest(SparseAlgorithm):
             cur = v[rows]
             v[rows] = torch.where(empty, cur[:, :1], cur)
 
-    def index(self, k_cache, page_ids, num_tokens, summaries, queries):
+    def index(self, k_cache, page_ids, num_tokens, summaries, queries, write_ids=None):
         kmin, kmax = self._boxes(summaries)
-        self._index_boxes(k_cache, page_ids, num_tokens, kmin, kmax)
+        self._index_boxes(k_cache, page_ids, num_tokens, kmin, kmax, write_ids=write_ids)
 
     def score(self, q, page_table, num_pages, last_page_len, summaries, k_cache):
         """[B, Hkv, W] float32: mass of scored pages, +inf kept / last page, -inf past n."""
@@ -116,11 +124,12 @@ class ArkVale(Quest):
     per page, like Quest: summaries stay at 2/page_size of the KV bytes) and scoring and the
     fused select reuse Quest's kernels."""
 
-    def index(self, k_cache, page_ids, num_tokens, summaries, queries):
+    def index(self, k_cache, page_ids, num_tokens, summaries, queries, write_ids=None):
         # each listed page's box [c - r, c + r] in one summary launch (c: the min-max
         # centre, r: the mean |c - k| per channel, each rounded to the summary dtype first)
         kmin, kmax = self._boxes(summaries)
-        self._index_boxes(k_cache, page_ids, num_tokens, kmin, kmax, box=True)
+        self._index_boxes(k_cache, page_ids, num_tokens, kmin, kmax, box=True,
+                          write_ids=write_ids)
 
 
 @register("infllm")

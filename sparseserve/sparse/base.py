@@ -133,6 +133,10 @@ class SparseAlgorithm:
     # value means an estimate needs) live in summaries like any other
     uses_values = False
     estimates = False  # estimate() contributes the unselected mass (see the module docstring)
+    # index() takes `write_ids` (summary of page_ids[i]'s keys written at row write_ids[i]):
+    # the two-tier cache then summarises pages where they lie (device slots, the prefill's
+    # K) without a scratch table and its copies (worker/offload_context.py)
+    indexes_apart = False
 
     def __init__(self, page_size: int, budget_pages: int, sink_pages: int,
                  local_pages: int) -> None:
@@ -173,7 +177,9 @@ class SparseAlgorithm:
         page_ids [N] int32 (< 0 = masked lane), num_tokens [N] int32 (valid tokens, usually
         page_size); queries [N, G, D] or None: the queries of the KV head's group at the
         position that filled each page (InfLLM-style algorithms use them). An algorithm with
-        ``uses_values`` takes a keyword ``v_cache`` too (the V pages, indexed like k_cache)."""
+        ``uses_values`` takes a keyword ``v_cache`` too (the V pages, indexed like k_cache);
+        one with ``indexes_apart`` a keyword ``write_ids`` [N] (write page_ids[i]'s summary
+        at row write_ids[i] instead of page_ids[i])."""
 
     def score(self, q: torch.Tensor, page_table: torch.Tensor, num_pages: torch.Tensor,
               last_page_len: torch.Tensor, summaries: LayerSummaries,

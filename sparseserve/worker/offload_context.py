@@ -161,13 +161,18 @@ class OffloadForwardContext(ForwardContext):
         n + 1 rows — the last is where index() sends skipped lanes, so they never share a row
         with a summarised page (a race on that row otherwise) — one zeroed buffer for all
         summary tensors, one index_copy_ each, one zeroing of the scratch page's rows (the
-        skipped entries' copies all land there)."""
+        skipped entries' copies all land there). An algorithm that ``indexes_apart`` writes
+        at host_ids itself instead."""
         n = read_ids.shape[0]
         tensors = summaries.tensors
         if not tensors:  # an algorithm without summaries (streaming) indexes nothing
             return
-        scratch = LayerSummaries(_zeros_like_rows(tensors, n + 1), summaries.shapes)
         algo = self.sparse.algorithm
+        if algo.indexes_apart and not (algo.uses_values or algo.uses_queries):
+            # it writes page i's summary at host_ids[i] itself: no scratch table, no copies
+            algo.index(k_pages, read_ids, ntok, summaries, None, write_ids=host_ids)
+            return
+        scratch = LayerSummaries(_zeros_like_rows(tensors, n + 1), summaries.shapes)
         values = {"v_cache": v_pages} if algo.uses_values else {}
         algo.index(k_pages, read_ids, ntok, scratch, queries if algo.uses_queries else None,
                    **values)

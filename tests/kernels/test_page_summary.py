@@ -155,3 +155,26 @@ def test_box_equals_two_step_form(dtype, ps, D):
         close(g, w, dtype)
     with pytest.raises(AssertionError, match="no radius buffer"):
         update_page_summaries(kc, ids, nt, *_buffers(S, D, len(ids), dtype), box=True)
+
+
+@pytest.mark.parametrize("box", [False, True])
+def test_write_ids_move_rows(box):
+    """`write_ids`: entry i's summary lands at row write_ids[i] (a page read in its device slot,
+    summarised at its host id), exactly what the page's own row gets without it; padding
+    entries write nothing; every other row stays untouched. Kernel and reference."""
+    gen = torch.Generator().manual_seed(5 + box)
+    k_cache, ids, nt = _case([1, 17, 54, 97], 16, 64, gen)
+    S = 3 * k_cache.shape[0]
+    out = torch.randperm(S, generator=gen)[:len(ids)].to(torch.int64)  # unique host rows
+    kc, ids, nt, out = to_dev(k_cache, ids, nt, out)
+    live = ids >= 0
+    for fn in (update_page_summaries, ref.update_page_summaries):
+        own = _buffers(S, 64, 0)[:2]
+        fn(kc, ids, nt, *own, box=box)
+        moved = _buffers(S, 64, 0)[:2]
+        fn(kc, ids, nt, *moved, box=box, write_ids=out)
+        for o, m in zip(own, moved):
+            assert torch.equal(m[out[live]], o[ids[live].long()]), fn
+            untouched = torch.ones(S, dtype=torch.bool, device=DEVICE)
+            untouched[out[live]] = False
+            assert (m[untouched] == SENTINEL).all()
