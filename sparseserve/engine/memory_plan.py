@@ -28,10 +28,13 @@ against a measured pool.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
 from sparseserve.config import INJECT_CREDIT_FRACTION, EngineConfig, ModelConfig, SchedulerConfig
+
+logger = logging.getLogger("sparseserve")
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -352,3 +355,17 @@ def check_plan(plan: MemoryPlan, explicit: bool) -> None:
                      "what else it counts: kv_offloading_size (the summaries of every host "
                      "page stay in HBM), max_num_seqs or max_model_len (metadata, graph "
                      "pool), or set enforce_eager (no CUDA graph pool).")
+
+
+def report_reserved(plan: MemoryPlan | None, device) -> None:
+    """On a GPU, once the worker has built everything (weights, KV, summaries, metadata, graph
+    pools, cached warm-up transients): what torch's allocator holds against the plan the KV
+    slots were sized with — logged, as a warning when it is over."""
+    import torch
+
+    if plan is None or torch.device(device).type != "cuda":
+        return
+    held = torch.cuda.memory_reserved(device)
+    log = logger.warning if held > plan.total else logger.info
+    log("device memory after start-up: %.2f GiB reserved by torch of the %.2f GiB planned "
+        "(memory plan per rank)", held / 2**30, plan.total / 2**30)

@@ -13,12 +13,14 @@ import numpy as np
 import torch
 
 from sparseserve.config import INJECT_CREDIT_FRACTION, EngineConfig, SparseConfig
+from sparseserve.engine.memory_plan import report_reserved
 from sparseserve.engine.sched_output import ScheduledChunk, SchedulerOutput
 from sparseserve.kvcache.manager import cdiv
 from sparseserve.model.llama import LlamaForCausalLM
 from sparseserve.model.loader import iter_weights
 from sparseserve.request import SamplingParams
 from sparseserve.worker.cpu_threads import CpuThreadPolicy
+from sparseserve.worker.cuda_graphs import capture_runner_graphs
 from sparseserve.worker.forward_context import ForwardContext, KVCacheTensors, PrefillSeq
 from sparseserve.worker.host_copy import to_device
 from sparseserve.worker.offload_cache import TwoTierCache
@@ -120,21 +122,8 @@ class ModelRunner(SamplingStep):
             mc.num_attention_heads // (1 if tp is None else tp.size), self.num_kv_heads,
             mc.head_dim, self.scale, self.dtype, self.device, max_len)
         # CUDA graphs: whole decode steps, and the attention-free pieces of the other steps
-        from sparseserve.worker.cuda_graphs import capture_runner_graphs
         self.graphs, self.graph_error, self.piecewise = capture_runner_graphs(self, rows)
-        self._check_memory_plan()
-
-    def _check_memory_plan(self) -> None:
-        """On a GPU, what the allocator holds once everything is built (weights, KV,
-        summaries, metadata, graph pool, cached warm-up transients) against the plan the
-        KV slots were sized with: logged, and a warning when it is over."""
-        plan = self.cfg.memory_plan
-        if self.device.type != "cuda" or plan is None:
-            return
-        held = torch.cuda.memory_reserved(self.device)
-        log = logger.warning if held > plan.total else logger.info
-        log("device memory after start-up: %.2f GiB reserved by torch of the %.2f GiB planned "
-            "(memory plan per rank)", held / 2**30, plan.total / 2**30)
+        report_reserved(cfg.memory_plan, self.device)
 
     # ---- step -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -208,12 +197,14 @@ class ModelRunner(SamplingStep):
 
         nd = sum(1 for c in chunks if c.is_decode)
         self._decode_fills = decode_fills(chunks[:nd], self.page_size)
-        if self.graphs is not None and nd and self.graphs.bucket(nd) is not None:
+        pw = self.piecewise
+        if (self.graphs is not None and nd and self.graphs.bucket(nd) is not None
+                and not (pw is not None and pw.runs_whole_step(nd, len(chunks), n))):
             logits = self.graphs.run(input_ids[:nd], positions[:nd], token_rows[:nd],
                                      fills=self._decode_fills)
             if nd < len(chunks):
-                # a hybrid step: the decode rows replay their graph (no per-op launches for
-                # them), the prefill work runs eagerly after it in the same step
+                # a hybrid step the piecewise graphs do not run whole: the decode rows replay
+                # their graph, the prefill work runs after it in the same step
                 logits = logits.clone()
                 self._np_pos, self._np_rows = self._np_pos[nd:], self._np_rows[nd:]
                 rest = self._run_eager(chunks[nd:], [o - nd for o in offsets[nd:]],

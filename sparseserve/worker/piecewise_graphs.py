@@ -15,9 +15,11 @@ runs eagerly between them:
 
 Pieces read and write static buffers (`x`, `residual`, `qkv`, `attn`, RoPE factors) of the
 largest bucket, so graphs of every layer and bucket share one memory pool for their
-intermediates. A step of T tokens runs the bucket b >= T: rows [T, b) are padding (zero
-inputs, position 0) that no real row reads — every piece is row-wise — and attention sees
-only the T real rows. A range [a, b) costs 1 + (b - a) graph launches plus attention's own
+intermediates. A hybrid step (decode rows + prefill work) that fits the largest bucket runs
+whole through the pieces, decode rows included (`runs_whole_step`); a larger one replays its
+decode rows' full graph and runs the rest here. A step of T tokens runs the bucket b >= T:
+rows [T, b) are padding (zero inputs, position 0) that no real row reads — every piece is
+row-wise — and attention sees only the T real rows. A range [a, b) costs 1 + (b - a) graph launches plus attention's own
 launches, against ~10 launches per layer outside attention eagerly.
 
 Contract of `run(h, positions, ctx, a, b)`: exactly `model.run_layers(h, positions, ctx, a,
@@ -71,6 +73,14 @@ class PiecewiseGraphs:
     @property
     def max_tokens(self) -> int:
         return self.buckets[-1]
+
+    def runs_whole_step(self, num_decode: int, num_chunks: int, num_tokens: int) -> bool:
+        """Whether a step with decode rows runs all its tokens through the pieces in one pass
+        (vLLM's FULL_AND_PIECEWISE: mixed batches piecewise, decode-only batches in their
+        full graph): a hybrid step that fits the largest bucket then reads the weights once,
+        not in the decode graph and again for its prefill work (decode attention runs
+        eagerly with the rest)."""
+        return num_decode < num_chunks and num_tokens <= self.max_tokens
 
     def bucket(self, n: int) -> int | None:
         for s in self.buckets:

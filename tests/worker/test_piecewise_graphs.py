@@ -88,6 +88,16 @@ def test_kv_read_after_attention_is_a_copy():
                 assert not torch.equal(k, k0) and not torch.equal(v, v0)
 
 
+def test_runs_whole_step():
+    """Hybrid steps that fit the largest bucket run whole through the pieces (vLLM's
+    FULL_AND_PIECEWISE); decode-only steps keep their full graph; larger ones split."""
+    model, _ = tiny_model(torch.float32)
+    pw = _pieces(model, [16, 64])
+    assert pw.runs_whole_step(2, 3, 40) and pw.runs_whole_step(0, 1, 64)
+    assert not pw.runs_whole_step(3, 3, 3)  # decode only
+    assert not pw.runs_whole_step(2, 3, 65)  # past the largest bucket
+
+
 def test_too_many_tokens_is_an_error():
     model, cfg = tiny_model(torch.float32)
     model.fused_ops = True
@@ -166,8 +176,15 @@ def test_engine_captures_pieces_on_gpu(tiny_model_dirs):
             L = llm.engine.runner.num_layers
             assert pw is not None and pw.buckets == token_buckets(40)
             assert len(pw.graphs) == (3 * L - 1) * len(pw.buckets)
+        seen = []
+        if pw is not None:  # which steps went through the pieces, with how many decode rows
+            run = pw.run
+            pw.run = lambda h, pos, ctx, a, b: seen.append((h.shape[0], ctx.num_decode)) or \
+                run(h, pos, ctx, a, b)
         out[mode] = [o.outputs[0].token_ids
                      for o in llm.generate(prompts, params, use_tqdm=False)]
+        if pw is not None:  # hybrid steps ran whole: decode rows beside prefill rows
+            assert any(0 < nd < t for t, nd in seen)
         llm.engine.check_invariants()
         del llm
     assert out["FULL_AND_PIECEWISE"] == out["FULL_DECODE_ONLY"]
