@@ -64,14 +64,25 @@ def test_async_scheduling_equals_sync_with_graphs(tiny_model_dirs, offload):
     assert outs[True] == outs[False]
 
 
-def test_dummy_llama3_shape_runs(tmp_path):
-    llm = LLM("llama-3-8b", load_format="dummy", max_model_len=2048, max_num_seqs=8,
-              kv_cache_memory_bytes=4 << 30)
-    outs = llm.generate([{"prompt_token_ids": list(range(1, 1000))}] * 3,
-                        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+def test_dummy_llama3_shape_runs(tmp_path, mode):
+    """The Llama-3-8B shape serves in both graph modes (hybrid steps: two prompts decode while
+    a third is chunked in), and what torch reserves for the engine (weights, KV, both graph
+    pools, cuDNN plans) stays inside its memory plan — with piecewise graphs for every layer
+    and bucket up to 2,048 tokens."""
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    llm = LLM("llama-3-8b", load_format="dummy", max_model_len=4096, max_num_seqs=8,
+              max_num_batched_tokens=2048, kv_cache_memory_bytes=4 << 30, cudagraph_mode=mode)
+    assert (llm.engine.runner.piecewise is not None) == (mode == "FULL_AND_PIECEWISE")
+    assert torch.cuda.memory_reserved() - before <= llm.engine.config.memory_plan.total
+    prompts = [{"prompt_token_ids": list(range(1, n))} for n in (1000, 600, 3000)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                         use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
     llm.engine.check_invariants()
+    del llm, outs
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("h2d, d2h, inject", [("flash", "flash", None), ("memcpy", "memcpy", None),
