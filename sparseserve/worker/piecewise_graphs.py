@@ -61,12 +61,14 @@ class PiecewiseGraphs:
         n = self.buckets[-1]
         w = model.model.norm.weight
         dev, dt = w.device, w.dtype
-        self.x = torch.zeros(n, cfg.hidden_size, dtype=dt, device=dev)  # MLP out / stream in
-        self.residual = torch.zeros(n, cfg.hidden_size, dtype=dt, device=dev)
-        self.qkv = torch.zeros(n, hq + 2 * hkv, d, dtype=dt, device=dev)
-        self.attn = torch.zeros(n, hq * d, dtype=dt, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.rope = torch.zeros(n, 2, d, dtype=torch.float32, device=dev)  # (cos, signed sin)
+        # [n, hidden]: the stream in (entry), the MLP output between pieces, the stream out
+        self.x = torch.zeros(n, cfg.hidden_size, dtype=dt, device=dev)
+        self.residual = torch.zeros(n, cfg.hidden_size, dtype=dt, device=dev)  # [n, hidden]
+        self.qkv = torch.zeros(n, hq + 2 * hkv, d, dtype=dt, device=dev)  # [n, Hq + 2 Hkv, D]
+        self.attn = torch.zeros(n, hq * d, dtype=dt, device=dev)  # [n, Hq * D] attention out
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)  # [n]
+        # [n, 2, D] fp32 RoPE factors of the positions: (cos, signed sin)
+        self.rope = torch.zeros(n, 2, d, dtype=torch.float32, device=dev)
         self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
 
