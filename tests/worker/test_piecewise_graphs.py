@@ -50,7 +50,10 @@ def test_run_equals_run_layers(kv_heads, dtype):
     pw = _pieces(model, [16, 64, 128])
     pw.capture()
     L = model.num_layers
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
+    # fp32: the CPU's GEMMs give the same rows for any row count; a GPU GEMM over the padded
+    # bucket may reduce in another order (vLLM's padded graphs accept the same)
+    fp32 = 1e-5 if DEVICE.type == "cpu" else 2e-4
+    tol = dict(rtol=fp32, atol=fp32) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
     with torch.inference_mode():
         for n, ranges in [(1, [(0, L)]), (17, [(0, 1), (1, L)]), (54, [(1, 2)]),
                           (97, [(0, 2), (2, L)]), (128, [(0, L)])]:
