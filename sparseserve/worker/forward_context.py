@@ -90,6 +90,7 @@ class ForwardContext:
         self.prefills = prefills
         self.scale = scale
         self._dec_plan = None  # the CPU decode path's per-step plan (_dense_decode)
+        self._prefix_pages: dict[int, torch.Tensor] = {}  # q_start -> a chunk's pages (_prefill)
         ps = kv.page_size
         hkv = pages.num_kv_heads
         # where each token's K/V lands: page [T, Hkv] and offset [T, 1] within it
@@ -236,7 +237,10 @@ class ForwardContext:
         else:
             total = p.start + n
             ps = self.kv.page_size
-            pages = self.pages.row_range(p.row, 0, (total + ps - 1) // ps).long()  # [Hkv, nb]
+            pages = self._prefix_pages.get(p.q_start)  # the same at every layer of the step
+            if pages is None:
+                pages = self._prefix_pages[p.q_start] = self.pages.row_range(
+                    p.row, 0, (total + ps - 1) // ps).long()  # [Hkv, nb]
             hkv, nb = pages.shape
             ks = k_cache[pages].reshape(hkv, nb * ps, -1)[:, :total]
             vs = v_cache[pages].reshape(hkv, nb * ps, -1)[:, :total]

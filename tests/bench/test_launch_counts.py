@@ -3,7 +3,7 @@ paths forced, Triton interpreted): they count the kernel launches of one layer's
 in a step, the instrument for what a CUDA-graph decode step and the eager part of a
 piecewise-graph prefill step cost. Their counts are bounded by today's (a fusion that comes
 undone fails here): offloaded decode 9 launches per layer (11 when a token fills its page),
-a dense whole-prompt chunk 8, an offloaded layer segment ~38 per step."""
+a dense whole-prompt chunk 8 (11 after a prefix), an offloaded layer segment ~38 per step."""
 import json
 import os
 import subprocess
@@ -38,6 +38,8 @@ def test_prefill_launches(tmp_path):
     dense = _count("prefill_launches.py", "--preset", "dense", tmp_path=tmp_path)
     assert set(dense["per_layer"]) == {"0", "1"} and dense["per_layer"]["1"] <= 8
     assert dense["ops"]["1"]["aten.scaled_dot_product_attention"] == 1
+    cont = _count("prefill_launches.py", "--preset", "dense", "--continue", tmp_path=tmp_path)
+    assert cont["per_layer"]["1"] <= 11  # the prefix's pages looked up once per step
     off = _count("prefill_launches.py", "--preset", "sparseserve", tmp_path=tmp_path)
     ops = off["ops"]["1"]
     steps = ops["triton._store_rows_kernel"]  # one slot store per layer and step
