@@ -279,11 +279,16 @@ class TwoTierCache(CacheIntrospection):
         """After a decode step's layers [l0, l1): their residency indexes' rebuild-if-full in
         one set of launches (the fused retrieve left it out), and their staged decode rows
         written through to DRAM (DecodeWriteThrough.flush; pages None: nothing staged)."""
+        self.rebuild_indexes(l0, l1)
+        if pages is not None:
+            self.write_through.flush(l0, l1, pages, offsets)
+
+    def rebuild_indexes(self, l0: int, l1: int) -> None:
+        """The residency indexes' rebuild-if-full of layers [l0, l1) in one set of launches,
+        for retrieves that deferred it (`defer_rebuild`: at most one per layer since the last)."""
         if self.fused:
             residency_hash.rebuild_if_full(self.res_table[l0:l1], self.page_of[l0:l1],
                                            self.res_fill[l0:l1], backend="triton")
-        if pages is not None:
-            self.write_through.flush(l0, l1, pages, offsets)
 
     # ---- retrieve -------------------------------------------------------------------------
     def retrieve(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor,

@@ -39,6 +39,9 @@ class OffloadForwardContext(ForwardContext):
         self._save_plan = None  # made at the first layer that saves, reused by the others
         self._prefill_plans: dict[int, dict] = {}  # q_start -> _prefill_plan (same reuse)
         self._staged = False  # decode rows staged for their write-through (finish_layers)
+        # one prefill alone maps its pages with one retrieve per layer: its residency index
+        # rebuild-if-full can wait for finish_layers, as decode's does (fused_retrieve)
+        self._defer_prefill_rebuild = not self.num_decode and len(self.prefills) == 1
 
     def finish_layers(self, l0: int, l1: int) -> None:
         """After layers [l0, l1) ran with this context: the decode step's per-step work of
@@ -46,6 +49,8 @@ class OffloadForwardContext(ForwardContext):
         indexes' rebuild-if-full, and the staged decode rows written through to DRAM) on the
         compute stream, so before any later step reads those tables or loads those pages."""
         if not self.num_decode:
+            if self._defer_prefill_rebuild:
+                self.cache.rebuild_indexes(l0, l1)
             return
         nd = self.num_decode
         staged = self._staged
@@ -265,7 +270,8 @@ class OffloadForwardContext(ForwardContext):
         Returns the slots [Hkv, nb - first] (int64)."""
         cache = self.cache
         slots = cache.retrieve(layer, plan["sel"], plan["num"], plan["row"],
-                               fresh_from=plan["fresh_from"], prefill=True)[0].long()
+                               fresh_from=plan["fresh_from"], prefill=True,
+                               defer_rebuild=self._defer_prefill_rebuild)[0].long()
         cache.mark_saved(layer, slots)
         tok_slots = slots[:, plan["tok_entry"]]  # [Hkv, T']
         rows = plan["rows"]
