@@ -33,7 +33,7 @@ test: setup
 	$(BIN)/python -m pytest tests -q
 
 # GPU machine: every kernel and transfer test compiled by Triton on the GPU, then the GPU-only
-# tests (tests/gpu: graphs == eager, forced offload == resident for every algorithm and preset,
+# tests (tests/gpu: graphs == eager, piecewise graphs == eager (tests/worker), forced offload == resident for every algorithm and preset,
 # graph replay after host-side page updates, prefill attention), in one pytest run with one
 # summary line; tests/conftest.py orders tests/gpu last and fails any silent skip there.
 # The rest of the suite is device-independent engine / server logic that CI runs on the CPU: on
@@ -42,7 +42,7 @@ test: setup
 # Uses the venv when there is one, else python3 with the repository on PYTHONPATH (GPU machines
 # with torch + CUDA installed system-wide). docs/results/gpu-tests.md records the runs.
 TEST_PY := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
-TEST_GPU_PATHS ?= tests/kernels tests/transfer tests/gpu
+TEST_GPU_PATHS ?= tests/kernels tests/transfer tests/gpu tests/worker/test_piecewise_graphs.py
 TEST_GPU_ARGS ?= -q -rfs --durations=15
 # With pytest-xdist installed the GPU run spreads over TEST_GPU_JOBS processes sharing the one
 # GPU: Triton compiles on the host's cores, and every test of tests/gpu sizes its own small KV
