@@ -199,7 +199,9 @@ class ModelRunner(SamplingStep):
         self._decode_fills = decode_fills(chunks[:nd], self.page_size)
         pw = self.piecewise
         if (self.graphs is not None and nd and self.graphs.bucket(nd) is not None
-                and not (pw is not None and pw.runs_whole_step(nd, len(chunks), n))):
+                and not (pw is not None and pw.runs_whole_step(
+                    nd, len(chunks), n, any(c.layer_start or c.layer_end < self.num_layers
+                                            for c in chunks)))):
             logits = self.graphs.run(input_ids[:nd], positions[:nd], token_rows[:nd],
                                      fills=self._decode_fills)
             if nd < len(chunks):

@@ -99,6 +99,7 @@ def test_runs_whole_step():
     assert pw.runs_whole_step(2, 3, 40) and pw.runs_whole_step(0, 1, 64)
     assert not pw.runs_whole_step(3, 3, 3)  # decode only
     assert not pw.runs_whole_step(2, 3, 65)  # past the largest bucket
+    assert not pw.runs_whole_step(2, 3, 40, segmented=True)  # a layer segment beside them
 
 
 def test_too_many_tokens_is_an_error():
