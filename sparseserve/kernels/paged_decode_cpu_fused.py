@@ -281,6 +281,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     if (f) fn = f;
   }
 #endif
+  // every table checked here, on the calling thread: an exception thrown inside the
+  // parallel region crashed the process on the H200 host's 16 threads (a segfault, not a
+  // RuntimeError), so the tasks below only ever see valid rows
+  for (int64_t x = 0; x < B * Hkv; ++x) row_tokens(a, x / Hkv, x % Hkv);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s;  // the scores of one (request, KV head), reused by the tasks
     for (int64_t x = begin; x < end; ++x) fn(a, x / Hkv, x % Hkv, s);
@@ -289,7 +293,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 """
 
-_EXT = CpuExtension("sparseserve_paged_decode_cpu_v4", _SOURCE, ["paged_decode", "has_avx512"],
+_EXT = CpuExtension("sparseserve_paged_decode_cpu_v5", _SOURCE, ["paged_decode", "has_avx512"],
                    "SPARSESERVE_CPU_DECODE", "fused CPU paged decode kernel")
 
 

@@ -201,7 +201,8 @@ class ModelRunner(SamplingStep):
         if (self.graphs is not None and nd and self.graphs.bucket(nd) is not None
                 and not (pw is not None and pw.runs_whole_step(
                     nd, len(chunks), n, any(c.layer_start or c.layer_end < self.num_layers
-                                            for c in chunks)))):
+                                            for c in chunks),
+                    sparse_decode=self.sparse is not None or self.offload is not None))):
             logits = self.graphs.run(input_ids[:nd], positions[:nd], token_rows[:nd],
                                      fills=self._decode_fills)
             if nd < len(chunks):

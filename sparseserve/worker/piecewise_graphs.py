@@ -77,16 +77,19 @@ class PiecewiseGraphs:
         return self.buckets[-1]
 
     def runs_whole_step(self, num_decode: int, num_chunks: int, num_tokens: int,
-                        segmented: bool = False) -> bool:
+                        segmented: bool = False, sparse_decode: bool = False) -> bool:
         """Whether a step with decode rows runs all its tokens through the pieces in one pass
         (vLLM's FULL_AND_PIECEWISE: mixed batches piecewise, decode-only batches in their
         full graph): a hybrid step that fits the largest bucket then reads the weights once,
         not in the decode graph and again for its prefill work (decode attention runs
-        eagerly with the rest). Not when its prefill work is a layer segment (`segmented`):
-        the decode rows would then run every layer's attention eagerly for a few layers of
-        prefill (measured on the H200: a 2,048-token segment beside 8 decode rows, 98.7 ms a
-        step that way against 64.7 ms with the decode rows' graph)."""
-        return num_decode < num_chunks and num_tokens <= self.max_tokens and not segmented
+        eagerly with the rest). Only for dense decode rows: sparse selection and the two-tier
+        cache's retrieve (`sparse_decode`) cost ~0.8 ms of host time per layer eagerly
+        (measured on the H200, Llama-3-8B: a 2,048-token prompt beside 8 decode rows of the
+        sparseserve preset took 98.9 ms that way against 74.0 ms with their graph; dense
+        rows: 51.2 vs 53.4 ms). Not when the prefill work is a layer segment (`segmented`):
+        the decode rows would then run every layer eagerly for a few layers of prefill."""
+        return (num_decode < num_chunks and num_tokens <= self.max_tokens and not segmented
+                and not sparse_decode)
 
     def bucket(self, n: int) -> int | None:
         for s in self.buckets:

@@ -100,6 +100,7 @@ def test_runs_whole_step():
     assert not pw.runs_whole_step(3, 3, 3)  # decode only
     assert not pw.runs_whole_step(2, 3, 65)  # past the largest bucket
     assert not pw.runs_whole_step(2, 3, 40, segmented=True)  # a layer segment beside them
+    assert not pw.runs_whole_step(2, 3, 40, sparse_decode=True)  # their graph is cheaper
 
 
 def test_too_many_tokens_is_an_error():
