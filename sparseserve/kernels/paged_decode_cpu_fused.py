@@ -56,6 +56,17 @@ struct Args {
   int64_t Hq, Hkv, W, ps, D, P; float scale;
 };
 
+// whether row (b, h)'s table is valid (num_pages in 1..W, last_page_len in 1..ps, page ids
+// in the cache); checked without throwing (see paged_decode)
+inline bool row_valid(const Args& a, int64_t b, int64_t h) {
+  const int64_t np = a.npages[b * a.Hkv + h], last = a.last[b];
+  if (np < 1 || np > a.W || last < 1 || last > a.ps) return false;
+  const int32_t* tbl = a.table + (b * a.Hkv + h) * a.W;
+  for (int64_t j = 0; j < np; ++j)
+    if (tbl[j] < 0 || tbl[j] >= a.P) return false;
+  return true;
+}
+
 // number of attended tokens of (b, h); every page id read is bounds-checked
 inline int64_t row_tokens(const Args& a, int64_t b, int64_t h) {
   const int64_t np = a.npages[b * a.Hkv + h];
@@ -281,10 +292,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     if (f) fn = f;
   }
 #endif
-  // every table checked here, on the calling thread: an exception thrown inside the
-  // parallel region crashed the process on the H200 host's 16 threads (a segfault, not a
-  // RuntimeError), so the tasks below only ever see valid rows
-  for (int64_t x = 0; x < B * Hkv; ++x) row_tokens(a, x / Hkv, x % Hkv);
+  // every table checked here, without throwing: on the H200 host an exception thrown by
+  // this extension (in or out of the parallel region) killed the process with a segfault
+  // instead of reaching Python; an invalid table returns an empty tensor, which the Python
+  // wrapper turns into a RuntimeError, and the tasks below only ever see valid rows
+  for (int64_t x = 0; x < B * Hkv; ++x)
+    if (!row_valid(a, x / Hkv, x % Hkv)) return torch::empty({0}, q.options());
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s;  // the scores of one (request, KV head), reused by the tasks
     for (int64_t x = begin; x < end; ++x) fn(a, x / Hkv, x % Hkv, s);
@@ -293,7 +306,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 """
 
-_EXT = CpuExtension("sparseserve_paged_decode_cpu_v5", _SOURCE, ["paged_decode", "has_avx512"],
+_EXT = CpuExtension("sparseserve_paged_decode_cpu_v6", _SOURCE, ["paged_decode", "has_avx512"],
                    "SPARSESERVE_CPU_DECODE", "fused CPU paged decode kernel")
 
 
@@ -317,5 +330,10 @@ def paged_decode_fused(q, k_cache, v_cache, page_table, num_pages, last_page_len
     mod = _EXT.get()
     if mod is None:
         raise RuntimeError("the fused CPU paged decode kernel is not built (see usable())")
-    return mod.paged_decode(q.contiguous(), k_cache, v_cache, page_table, num_pages,
-                                last_page_len, float(scale), generic)
+    out = mod.paged_decode(q.contiguous(), k_cache, v_cache, page_table, num_pages,
+                           last_page_len, float(scale), generic)
+    if out.numel() == 0 and q.numel() != 0:  # the kernel's "invalid table" (no C++ throw)
+        raise RuntimeError("paged decode: a page table row is out of range (num_pages outside "
+                           "1..table width, last_page_len outside 1..page_size, or a page id "
+                           "outside the cache)")
+    return out
