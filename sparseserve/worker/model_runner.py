@@ -198,11 +198,11 @@ class ModelRunner(SamplingStep):
         nd = sum(1 for c in chunks if c.is_decode)
         self._decode_fills = decode_fills(chunks[:nd], self.page_size)
         pw = self.piecewise
-        if (self.graphs is not None and nd and self.graphs.bucket(nd) is not None
-                and not (pw is not None and pw.runs_whole_step(
-                    nd, len(chunks), n, any(c.layer_start or c.layer_end < self.num_layers
-                                            for c in chunks),
-                    sparse_decode=self.sparse is not None or self.offload is not None))):
+        whole = pw is not None and pw.runs_whole_step(  # all rows through the pieces
+            nd, len(chunks), n,
+            segmented=any(c.layer_start or c.layer_end < self.num_layers for c in chunks),
+            sparse_decode=self.sparse is not None or self.offload is not None)
+        if self.graphs is not None and nd and self.graphs.bucket(nd) is not None and not whole:
             logits = self.graphs.run(input_ids[:nd], positions[:nd], token_rows[:nd],
                                      fills=self._decode_fills)
             if nd < len(chunks):
