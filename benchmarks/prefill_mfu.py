@@ -2,14 +2,16 @@
 second of chunked prefill as a fraction of the H200's measured bf16 matmul rate (MFU), and the
 host share of steps that carry a prefill chunk plus decode rows.
 
-One long prompt is prefilled in `--chunk`-token chunks by the `dense` preset (dummy weights),
+A long prompt is prefilled twice in `--chunk`-token chunks (the first pays one-off warm-ups:
+only the second's steps are reported) by the `dense` preset (dummy weights),
 optionally while `--decode-rows` short requests decode beside it (a hybrid step: the decode rows
 replay their CUDA graph, the chunk runs eagerly — or, with `--cudagraph-modes` including
 FULL_AND_PIECEWISE, its layers' attention-free pieces replay piecewise graphs). With
 `--presets sparseserve` the prompt is prefilled in layer segments over the two-tier cache
 (its MFU column counts only steps that complete tokens: read its host share). Every step is timed with the device
 synchronised before and after it; its host time is the runner's CPU time until its one sync
-(`RunnerOutput.host_time_s`, read through `LLMEngine.last_step_host_time_s`).
+(`RunnerOutput.host_time_s`, read through `LLMEngine.last_step_host_time_s`). `--profile N`
+adds each step's N host ops with the most self CPU time and the calls that wait for the device.
 
 Model FLOPs of a chunk of T tokens at positions [s, s + T): 2 x (linear weights a token
 multiplies, the LM head only for the sampled row) x T, plus attention 4 x layers x Hq x D x
@@ -82,40 +84,76 @@ def run_context(model: str, context: int, rows: int, a, device: str, dtype: str,
         eng.step()
     for _ in range(3 if rows else 0):  # decode graphs warm
         eng.step()
-    eng.add_request("long", {"prompt_token_ids": rng.integers(10, vocab, context).tolist()},
-                    SamplingParams(max_tokens=1, ignore_eos=True))
-    long_req = sched.requests["long"]
-    steps = []
-    while long_req.num_computed_tokens < context:
-        start = long_req.num_computed_tokens
-        sync()
-        t0 = time.perf_counter()
-        eng.step()
-        sync()
-        wall = time.perf_counter() - t0
-        done = (long_req.num_computed_tokens if "long" in sched.requests
-                else context)
-        tokens = done - start
-        flops = chunk_flops(mc, start, tokens, 1 if done >= context else 0)
-        steps.append({"start": start, "tokens": tokens, "wall_ms": 1e3 * wall,
-                      "host_ms": 1e3 * eng.last_step_host_time_s,
-                      "decode_rows": rows, "tflops": flops / wall / 1e12,
-                      "mfu": flops / wall / (a.peak_tflops * 1e12)})
-        if "long" not in sched.requests:
-            break
+    steps, profiles = [], []
+    for repeat in range(2):  # the first prompt pays the one-off warm-ups; the second is measured
+        rid = f"long{repeat}"
+        eng.add_request(rid, {"prompt_token_ids": rng.integers(10, vocab, context).tolist()},
+                        SamplingParams(max_tokens=1, ignore_eos=True))
+        long_req = sched.requests[rid]
+        while long_req.num_computed_tokens < context:
+            start = long_req.num_computed_tokens
+            sync()
+            t0 = time.perf_counter()
+            eng.step()
+            sync()
+            wall = time.perf_counter() - t0
+            done = long_req.num_computed_tokens if rid in sched.requests else context
+            tokens = done - start
+            flops = chunk_flops(mc, start, tokens, 1 if done >= context else 0)
+            steps.append({"prompt": repeat, "start": start, "tokens": tokens,
+                          "wall_ms": 1e3 * wall, "host_ms": 1e3 * eng.last_step_host_time_s,
+                          "decode_rows": rows, "tflops": flops / wall / 1e12,
+                          "mfu": flops / wall / (a.peak_tflops * 1e12)})
+            if rid not in sched.requests:
+                break
+        if repeat == 0 and a.profile:  # one more prompt between the two, every step profiled
+            profiles = profile_prompt(eng, rng.integers(10, vocab, context).tolist(), a.profile)
     eng.shutdown()
-    del llm, eng, sched, long_req
+    eng.shutdown()
+    del llm, eng, sched
     # the next engine must not start beside this one's HBM (the H200 run warned: 110.65 GiB
     # held against a 57.29 GiB plan with only torch.cuda.empty_cache() here)
     C.free_device_memory()
-    body = steps[1:-1] or steps  # the first chunk pays one-off warm-ups, the last samples
+    body = [s for s in steps if s["prompt"] == 1]
     wall = sum(s["wall_ms"] for s in body)
     return {"preset": preset, "cudagraph_mode": mode, "context": context, "decode_rows": rows,
             "chunk": a.chunk, "steps": steps,
             "mean_mfu": sum(s["mfu"] * s["wall_ms"] for s in body) / wall,
             "mean_tflops": sum(s["tflops"] * s["wall_ms"] for s in body) / wall,
             "mean_step_ms": wall / len(body),
-            "host_share": sum(s["host_ms"] for s in body) / wall}
+            "host_share": sum(s["host_ms"] for s in body) / wall, "profiles": profiles}
+
+
+def profile_prompt(eng, prompt: list[int], top: int) -> list[dict]:
+    """Prefill `prompt` with every step under torch.profiler: per step, the host ops with the
+    most self CPU time (what the host share is made of) and the calls that wait for the device."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from sparseserve import SamplingParams
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    eng.add_request("profiled", {"prompt_token_ids": prompt},
+                    SamplingParams(max_tokens=1, ignore_eos=True))
+    out = []
+    while "profiled" in eng.scheduler.requests:
+        with profile(activities=acts) as prof:
+            eng.step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        waits = {e.key: {"count": e.count, "cpu_ms": e.self_cpu_time_total / 1e3}
+                 for e in ev if "Synchronize" in e.key or e.key in ("aten::item",
+                 "aten::_local_scalar_dense", "cudaMemcpy", "cudaMemcpyAsync")}
+        out.append({"launches": sum(e.count for e in ev if e.key in (
+                        "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                        "cudaLaunchKernelExC")),
+                    "graph_launches": sum(e.count for e in ev if e.key == "cudaGraphLaunch"),
+                    "waits": waits,
+                    "top_self_cpu": [{"op": e.key, "count": e.count,
+                                      "self_cpu_ms": e.self_cpu_time_total / 1e3}
+                                     for e in ev[:top]]})
+    return out
 
 
 def main(argv=None) -> int:
@@ -135,6 +173,9 @@ def main(argv=None) -> int:
     p.add_argument("--peak-tflops", type=float, default=790.0,
                    help="the bf16 matmul rate MFU is relative to (measured on the H200)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=int, default=0, metavar="TOP",
+                   help="also prefill one more prompt under torch.profiler and keep each step's "
+                        "TOP host ops by self CPU time (where the host share goes)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     a = p.parse_args(argv)
     contexts = [int(x) for x in a.contexts.split(",")]
