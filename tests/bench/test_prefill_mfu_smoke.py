@@ -28,18 +28,23 @@ def test_chunk_flops_counts_every_token_and_key():
 def test_prefill_mfu_smoke(tmp_path):
     out = tmp_path / "mfu.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "prefill_mfu.py"),
-                           "--smoke", "--out", str(out)],
+                           "--smoke", "--out", str(out), "--profile", "5"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["meta"]["command"]
     assert [x["decode_rows"] for x in r["runs"]] == [0, 2]
     for run in r["runs"]:
-        steps = run["steps"]
-        assert sum(s["tokens"] for s in steps) == run["context"] == 300
-        assert [s["start"] for s in steps] == [sum(t["tokens"] for t in steps[:i])
-                                               for i in range(len(steps))]
-        for s in steps:
+        assert {s["prompt"] for s in run["steps"]} == {0, 1}  # prefilled twice
+        for prompt in (0, 1):
+            steps = [s for s in run["steps"] if s["prompt"] == prompt]
+            assert sum(s["tokens"] for s in steps) == run["context"] == 300
+            assert [s["start"] for s in steps] == [sum(t["tokens"] for t in steps[:i])
+                                                   for i in range(len(steps))]
+        # one profile per step of the profiled prompt, each with its top host ops
+        assert len(run["profiles"]) == len(steps)
+        assert all(0 < len(p["top_self_cpu"]) <= 5 for p in run["profiles"])
+        for s in run["steps"]:
             assert 0 < s["tokens"] <= run["chunk"] and 0 < s["host_ms"] <= s["wall_ms"] * 1.01
             assert abs(s["mfu"] * 790e12 - s["tflops"] * 1e12) < 1e-6 * s["tflops"] * 1e12
     assert "host share" in proc.stdout
