@@ -17,6 +17,7 @@ from torch.nn.attention.bias import causal_lower_right
 from sparseserve.kernels import paged_decode_attention
 from sparseserve.kernels.paged_decode_cpu import decode_planned, plan_decode
 from sparseserve.kernels.ref import merge_attention, paged_decode_lse
+from sparseserve.worker.host_copy import to_device
 from sparseserve.worker.sparse_runtime import SparseRuntime
 from sparseserve.worker.page_directory import PageDirectory
 
@@ -68,6 +69,9 @@ class ForwardContext:
     # whether attention's k / v may still be read after it returns (a side-stream saver):
     # callers that reuse those buffers for the next layer (piecewise graphs) pass copies
     reads_kv_after_attention = False
+    # chunks continuing a prefix attend through kernels/paged_prefill.py: None = on the GPU
+    # (Triton compiled); True also on CPU tensors (tests run it under Triton's interpreter)
+    paged_prefill_kernel: bool | None = None
 
     def __init__(self, kv: KVCacheTensors, pages: PageDirectory, rows: torch.Tensor,
                  positions: torch.Tensor, num_decode: int, prefills: list[PrefillSeq],
@@ -91,6 +95,8 @@ class ForwardContext:
         self.scale = scale
         self._dec_plan = None  # the CPU decode path's per-step plan (_dense_decode)
         self._prefix_pages: dict[int, torch.Tensor] = {}  # q_start -> a chunk's pages (_prefill)
+        self._paged = False  # not planned yet (_paged_prefill_plan)
+        self._paged_block_m = 0
         ps = kv.page_size
         hkv = pages.num_kv_heads
         # where each token's K/V lands: page [T, Hkv] and offset [T, 1] within it
@@ -162,7 +168,8 @@ class ForwardContext:
         nd = self.num_decode
         if nd and not sparse and not self.prefills:
             return self._dense_decode(q, k_cache, v_cache)  # a decode-only batch: no copy
-        if not nd and len(self.prefills) == 1:  # one chunk alone (a hybrid step's eager part)
+        paged = self._paged_prefill_plan(q)
+        if not nd and len(self.prefills) == 1 and paged is None:  # one chunk alone: no copy
             return self._prefill(self.prefills[0], q, k, v, k_cache, v_cache)
         out = torch.empty_like(q)
         if nd and sparse:
@@ -181,8 +188,34 @@ class ForwardContext:
             # the Triton kernel on GPU, its torch reference on CPU
             out[:nd] = self._dense_decode(q[:nd], k_cache, v_cache)
         for p in self.prefills:
-            out[p.q_start:p.q_end] = self._prefill(p, q, k, v, k_cache, v_cache)
+            if paged is None or p.start == 0:
+                out[p.q_start:p.q_end] = self._prefill(p, q, k, v, k_cache, v_cache)
+        if paged is not None:  # every chunk that continues a prefix, in one launch
+            from sparseserve.kernels.paged_prefill import paged_prefill_attention
+            paged_prefill_attention(q, k_cache, v_cache, *paged, self.scale,
+                                    self._paged_block_m, out=out)
         return out
+
+    def _paged_prefill_plan(self, q: torch.Tensor) -> tuple | None:
+        """On the GPU (see `paged_prefill_kernel`) the chunks continuing a prefix attend in
+        place from their pages (kernels/paged_prefill.py: no gathered or repeated copy of the
+        prefix) -> (page table [S, Hkv, W], metadata...) planned once per step (every layer
+        reuses it), or None."""
+        if self._paged is not False:
+            return self._paged
+        chunks = [p for p in self.prefills if p.start > 0]
+        self._paged = None
+        if chunks and (q.is_cuda or self.paged_prefill_kernel):
+            from sparseserve.kernels.paged_prefill import METADATA, block_tokens, plan_metadata
+            ps = self.kv.page_size
+            self._paged_block_m = block_tokens(q.shape[1], self.pages.num_kv_heads)
+            meta = plan_metadata([p.q_end - p.q_start for p in chunks], [p.start for p in chunks],
+                                 self._paged_block_m, [p.q_start for p in chunks])
+            width = max(-(-(p.start + p.q_end - p.q_start) // ps) for p in chunks)
+            table = self.pages.table(to_device([p.row for p in chunks], torch.long, q.device),
+                                     width).contiguous()
+            self._paged = (table, *(to_device(meta[k], None, q.device) for k in METADATA))
+        return self._paged
 
     def _dense_decode(self, q: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor) -> torch.Tensor:
