@@ -17,6 +17,7 @@ from sparseserve.kernels import paged_decode_attention
 from sparseserve.kernels.slot_store import store_token_rows
 from sparseserve.sparse import LayerSummaries
 from sparseserve.worker.forward_context import ForwardContext, PrefillSeq
+from sparseserve.worker.host_copy import to_device
 from sparseserve.worker.offload_cache import TwoTierCache
 
 
@@ -207,6 +208,8 @@ class OffloadForwardContext(ForwardContext):
             self._index_prefill(p, q, ks, vs, plan, summaries)
             return self._sdpa(q[p.q_start:p.q_end].transpose(0, 1), ks, vs, 0)
         slots = self._map_and_store(layer, p, k, v, plan)
+        if p.start and (q.is_cuda or self.paged_prefill_kernel):
+            return self._paged_prefill(layer, p, q, slots, plan, summaries)
         if p.start:
             ps, nb, total = self.kv.page_size, plan["nb"], plan["total"]
             hkv = slots.shape[0]
@@ -218,6 +221,32 @@ class OffloadForwardContext(ForwardContext):
             vs = v[p.q_start:p.q_end].transpose(0, 1)
         self._index_prefill(p, q, ks, vs, plan, summaries)
         return self._sdpa(q[p.q_start:p.q_end].transpose(0, 1), ks, vs, p.start)
+
+    def _paged_prefill(self, layer: int, p: PrefillSeq, q: torch.Tensor, slots: torch.Tensor,
+                       plan: dict, summaries: LayerSummaries) -> torch.Tensor:
+        """A chunk continuing a prefix whose pages are all mapped (`slots` [Hkv, nb]): it
+        attends in place from the device slots (kernels/paged_prefill.py, no gathered and
+        repeated copy of the prefix) and the pages it completes are indexed from their slots.
+        -> [n, Hq, D]."""
+        from sparseserve.kernels.paged_prefill import (METADATA, block_tokens,
+                                                       paged_prefill_attention, plan_metadata)
+        dev_k, dev_v = self.cache.dev_k[layer], self.cache.dev_v[layer]
+        b0, b1 = plan["b0"], plan["b1"]
+        if b1 > b0:
+            ps = self.kv.page_size
+            done = slots[:, b0:b1]  # [Hkv, nf] the pages this chunk completes
+            pages_v = dev_v[done].reshape(-1, ps, dev_v.shape[-1]) if \
+                self.sparse.algorithm.uses_values else None
+            self._index_pages(p, q, dev_k[done].reshape(-1, ps, dev_k.shape[-1]), pages_v,
+                              plan, summaries)
+        qc = q[p.q_start:p.q_end]
+        if "paged" not in plan:  # the same at every layer of the step
+            bm = block_tokens(q.shape[1], slots.shape[0])
+            meta = plan_metadata([qc.shape[0]], [p.start], bm)
+            plan["paged"] = (bm, [to_device(meta[k], None, q.device) for k in METADATA])
+        bm, meta = plan["paged"]
+        return paged_prefill_attention(qc, dev_k, dev_v, slots.to(torch.int32)[None], *meta,
+                                       self.scale, bm)
 
     def _prefill_plan(self, p: PrefillSeq) -> dict:
         """What a prefill chunk's mapping, store and indexing need that is the same at every
@@ -288,11 +317,21 @@ class OffloadForwardContext(ForwardContext):
         if b1 <= b0:
             return
         hkv, nf = ks.shape[0], b1 - b0
-        algo = self.sparse.algorithm
         pages_k = ks[:, b0 * ps:b1 * ps].reshape(hkv * nf, ps, -1).contiguous()
         pages_v = None
-        if algo.uses_values:
+        if self.sparse.algorithm.uses_values:
             pages_v = vs[:, b0 * ps:b1 * ps].reshape(hkv * nf, ps, -1).contiguous()
+        self._index_pages(p, q, pages_k, pages_v, plan, summaries)
+
+    def _index_pages(self, p: PrefillSeq, q: torch.Tensor, pages_k: torch.Tensor,
+                     pages_v: torch.Tensor | None, plan: dict,
+                     summaries: LayerSummaries) -> None:
+        """Summaries of the pages this chunk completes: pages_k (pages_v) [Hkv * nf, ps, D],
+        head-major."""
+        b0, b1 = plan["b0"], plan["b1"]
+        nf = b1 - b0
+        hkv = pages_k.shape[0] // nf
+        algo = self.sparse.algorithm
         queries = None
         if algo.uses_queries:  # the query of each completing row, per KV head's group
             qf = q[p.q_start:p.q_end][plan["fill_pos"]].float()  # [nf, Hq, D]
