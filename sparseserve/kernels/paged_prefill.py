@@ -35,16 +35,20 @@ ROWS_PER_PROGRAM = 128  # query rows (tokens x group heads) per program on the G
 @triton.jit
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, pt_ptr, qb_ptr, qe_ptr, st_ptr, bseq_ptr, bq0_ptr,
+    nblk_ptr,                    # [1] int32 blocks in use (CHECK_BLOCKS: a grid sized for the most)
     qk_scale,                    # scale * log2(e)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_kt, stride_vp, stride_vt,
     stride_pts, stride_pth,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, CHECK_BLOCKS: tl.constexpr,
 ):
     blk = tl.program_id(0)
     h = tl.program_id(1)
+    if CHECK_BLOCKS:
+        if blk >= tl.load(nblk_ptr):
+            return
     ROWS: tl.constexpr = BLOCK_M * GP
     PAGES_PER_ITER: tl.constexpr = BLOCK_N // PAGE_SIZE
 
@@ -143,7 +147,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             q_end: torch.Tensor, starts: torch.Tensor, block_seq: torch.Tensor,
                             block_q0: torch.Tensor, scale: float, block_m: int,
                             out: torch.Tensor | None = None, num_warps: int = 4,
-                            num_stages: int = 2) -> torch.Tensor:
+                            num_stages: int = 2,
+                            num_blocks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of S prompt chunks over their whole sequences, read from KV pages.
 
     Args:
@@ -161,6 +166,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_m:    query tokens per program, the one the metadata was planned with
                     (`block_tokens(Hq, Hkv)` on the GPU); a power of two >= 16
         out:        [T, Hq, D] or None  the chunks' rows written in place if given
+        num_blocks: [1] int32 or None   blocks of block_seq / block_q0 in use; the rest are
+                                        skipped (fixed-size metadata of a CUDA graph, where
+                                        the grid is the buffers' length); None: all
     Returns:
         [T, Hq, D] in q's dtype: query i of chunk s attends keys 0..starts[s] + i of its
         sequence, softmax in fp32. No host synchronisation.
@@ -184,12 +192,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     BLOCK_N = max(64 if BLOCK_D > 64 else 128, page_size)
     _paged_prefill_kernel[(block_seq.shape[0], Hkv)](
         q, k_cache, v_cache, out, page_table, q_begin, q_end, starts, block_seq, block_q0,
-        float(scale) * _LOG2E,
+        block_seq if num_blocks is None else num_blocks, float(scale) * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), page_table.stride(1),
         G=G, GP=triton.next_power_of_2(G), D=D, PAGE_SIZE=page_size, BLOCK_M=block_m,
         BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages)
+        CHECK_BLOCKS=num_blocks is not None, num_warps=num_warps, num_stages=num_stages)
     return out

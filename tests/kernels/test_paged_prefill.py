@@ -155,3 +155,26 @@ def test_chunks_placed_among_other_rows():
     torch.testing.assert_close(got[mine].double(), want, **TOL[torch.float32])
     others = torch.cat([torch.arange(0, 5), torch.arange(22, 30)])
     assert (got[others] == 7.0).all()
+
+
+def test_fixed_size_metadata_skips_unused_blocks():
+    """A CUDA graph's metadata buffers are sized for the most blocks a bucket can hold and
+    keep a previous step's entries past the live ones: blocks past num_blocks are skipped,
+    their rows untouched."""
+    gen = torch.Generator().manual_seed(13)
+    Hq, Hkv, D, ps, bm = 4, 2, 32, 16, 16
+    lens, starts = [17, 5, 9], [40, 0, 3]  # the third chunk is a stale entry
+    ks, vs, kc, vc, table = _pool([a + n for a, n in zip(starts, lens)], Hkv, D, ps, gen,
+                                  torch.float32)
+    q = torch.randn(40, Hq, D, generator=gen)
+    meta = plan_metadata(lens, starts, bm)
+    live = len(plan_blocks(lens[:2], bm)[0])
+    assert live < len(meta["block_seq"])
+    out = torch.full_like(q, 7.0)
+    got = paged_prefill_attention(*to_dev(q, kc, vc, table),
+                                  *to_dev(*[torch.from_numpy(meta[k]) for k in METADATA]),
+                                  D ** -0.5, bm, out=to_dev(out),
+                                  num_blocks=to_dev(torch.tensor([live], dtype=torch.int32))).cpu()
+    want = _reference(q[:22], ks[:2], vs[:2], lens[:2], starts[:2], D ** -0.5)
+    torch.testing.assert_close(got[:22].double(), want, **TOL[torch.float32])
+    assert (got[22:] == 7.0).all()
