@@ -42,7 +42,7 @@ test: setup
 # Uses the venv when there is one, else python3 with the repository on PYTHONPATH (GPU machines
 # with torch + CUDA installed system-wide). docs/results/gpu-tests.md records the runs.
 TEST_PY := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
-TEST_GPU_PATHS ?= tests/kernels tests/transfer tests/gpu tests/worker/test_piecewise_graphs.py
+TEST_GPU_PATHS ?= tests/kernels tests/transfer tests/gpu tests/worker/test_piecewise_graphs.py tests/worker/test_mixed_graphs.py tests/worker/test_paged_prefill_engine.py
 TEST_GPU_ARGS ?= -q -rfs --durations=15
 # With pytest-xdist installed the GPU run spreads over TEST_GPU_JOBS processes sharing the one
 # GPU: Triton compiles on the host's cores, and every test of tests/gpu sizes its own small KV

@@ -185,7 +185,7 @@ class ParallelConfig:
 
 # CUDA graphs of the runner (vLLM's names): whole decode steps only, or also the attention-free
 # pieces of every layer for steps with prefill work (worker/piecewise_graphs.py)
-CUDAGRAPH_MODES = ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+CUDAGRAPH_MODES = ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "FULL")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,13 @@ class EngineArgsChecks:
                    "tensor parallelism runs its layers eagerly" if tp > 1 else
                    f"there are no CUDA graphs on {device}")
             logger.warning("cudagraph_mode %s has no effect: %s", self.cudagraph_mode, why)
+            return
+        if self.cudagraph_mode == "FULL" and (self.sparse_algorithm != "dense"
+                                              or self.kv_offload):
+            logger.warning("cudagraph_mode FULL captures whole steps with prefill work for "
+                           "dense attention over device pages only; with sparse attention or "
+                           "the two-tier cache they run eagerly, as with FULL_DECODE_ONLY "
+                           "(FULL_AND_PIECEWISE captures their attention-free pieces)")
 
     def _check_parallel(self, mc: ModelConfig, device: str) -> int:
         """The tensor-parallel size, checked against the model and the visible GPUs."""

@@ -257,6 +257,15 @@ def captures_piecewise_graphs(cfg: EngineConfig) -> bool:
             and cfg.parallel.tensor_parallel_size == 1)
 
 
+def captures_mixed_graphs(cfg: EngineConfig) -> bool:
+    """Whether the runner captures whole-step graphs for steps with prefill work
+    (worker/mixed_graphs.py): cudagraph_mode FULL on one CUDA device without enforce_eager,
+    for dense attention over device pages (no sparse selection, no two-tier cache)."""
+    return (cfg.device == "cuda" and not cfg.enforce_eager and cfg.cudagraph_mode == "FULL"
+            and cfg.parallel.tensor_parallel_size == 1 and not cfg.sparse.enabled
+            and not cfg.cache.kv_offload)
+
+
 def piecewise_max_tokens(cfg: EngineConfig) -> int:
     """The largest token bucket of the piecewise graphs: the step's token budget, capped."""
     return min(cfg.scheduler.max_num_batched_tokens, PIECEWISE_MAX_TOKENS)
@@ -266,15 +275,28 @@ def piecewise_pool_bytes(cfg: EngineConfig) -> int:
     """The piecewise graphs' static buffers (stream and residual [n, hidden], qkv [n, (Hq +
     2 Hkv) D], attention out [n, Hq D], positions, fp32 RoPE factors [n, 2, D]) and their
     shared pool, which holds one piece's intermediates at the largest bucket n (a layer's
-    activations per token, as graph_pool_bytes counts them); 0 when none are captured."""
-    if not captures_piecewise_graphs(cfg):
+    activations per token, as graph_pool_bytes counts them); 0 when none are captured. The
+    whole-step graphs of cudagraph_mode FULL (mixed_graphs.py) hold the same per-token
+    buffers inside their pool, plus the static inputs, the kernel's metadata, each chunk's
+    page table [S, Hkv, W] int32 and the sampled rows' logits [S, vocab] (model dtype and
+    fp32, and the static fp32 copy)."""
+    mixed = captures_mixed_graphs(cfg)
+    if not (captures_piecewise_graphs(cfg) or mixed):
         return 0
+    extra = 0
+    if mixed:
+        s = cfg.scheduler.max_num_seqs
+        _, hkv, _, e = _rank_shape(cfg)
+        width = _cdiv(cfg.scheduler.max_model_len, cfg.cache.page_size)
+        extra = (s * (hkv * width * 4 + cfg.model.vocab_size * (e + 8) + cfg.model.hidden_size * e)
+                 + piecewise_max_tokens(cfg) * (3 * 8 + 2 * 4))
     mc = cfg.model
     _, hkv, d, e = _rank_shape(cfg)
     hq = mc.num_attention_heads
     n = piecewise_max_tokens(cfg)
     static = n * ((2 * mc.hidden_size + (2 * hq + 2 * hkv) * d) * e + 8 + 2 * d * 4)
-    return static + n * (mc.hidden_size * 8 + mc.intermediate_size * 6) * e // 2 + GRAPH_POOL_SLACK
+    return (static + n * (mc.hidden_size * 8 + mc.intermediate_size * 6) * e // 2
+            + GRAPH_POOL_SLACK + extra)
 
 
 def graph_pool_bytes(cfg: EngineConfig) -> int:

@@ -27,11 +27,13 @@ logger = logging.getLogger("sparseserve")
 def capture_runner_graphs(runner, max_batch: int):
     """The runner's CUDA graphs as its config asks (engine/memory_plan.py counted their
     pools): -> (DecodeGraphs or None, the decode capture's error or None, PiecewiseGraphs or
-    None). A failed capture falls back to eager steps with a warning: correct, only slower."""
-    from sparseserve.engine.memory_plan import (captures_decode_graphs,
+    None, MixedStepGraphs or None). A failed capture falls back to eager steps with a
+    warning: correct, only slower."""
+    from sparseserve.engine.memory_plan import (captures_decode_graphs, captures_mixed_graphs,
                                                 captures_piecewise_graphs, piecewise_max_tokens)
+    from sparseserve.worker.piecewise_graphs import token_buckets
     cfg = runner.cfg
-    graphs, error, piecewise = None, None, None
+    graphs, error, piecewise, mixed = None, None, None, None
     if captures_decode_graphs(cfg):
         try:
             graphs = DecodeGraphs(runner, max_batch)
@@ -40,8 +42,18 @@ def capture_runner_graphs(runner, max_batch: int):
             graphs, error = None, f"{type(e).__name__}: {e}"
             logger.warning("CUDA graph capture failed, decoding eagerly: %s", error)
             torch.cuda.synchronize()
+    if captures_mixed_graphs(cfg):
+        from sparseserve.worker.mixed_graphs import MixedStepGraphs
+        try:
+            mixed = MixedStepGraphs(runner, token_buckets(piecewise_max_tokens(cfg)), max_batch)
+            mixed.capture()
+        except Exception as e:  # noqa: BLE001
+            mixed = None
+            logger.warning("whole-step CUDA graph capture failed, steps with prefill work run "
+                           "eagerly: %s: %s", type(e).__name__, e)
+            torch.cuda.synchronize()
     if captures_piecewise_graphs(cfg):
-        from sparseserve.worker.piecewise_graphs import PiecewiseGraphs, token_buckets
+        from sparseserve.worker.piecewise_graphs import PiecewiseGraphs
         try:
             piecewise = PiecewiseGraphs(runner.model, token_buckets(piecewise_max_tokens(cfg)))
             piecewise.capture()
@@ -50,7 +62,7 @@ def capture_runner_graphs(runner, max_batch: int):
             logger.warning("piecewise CUDA graph capture failed, steps with prefill work run "
                            "eagerly: %s: %s", type(e).__name__, e)
             torch.cuda.synchronize()
-    return graphs, error, piecewise
+    return graphs, error, piecewise, mixed
 
 
 def batch_buckets(max_batch: int) -> list[int]:

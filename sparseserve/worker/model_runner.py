@@ -122,7 +122,8 @@ class ModelRunner(SamplingStep):
             mc.num_attention_heads // (1 if tp is None else tp.size), self.num_kv_heads,
             mc.head_dim, self.scale, self.dtype, self.device, max_len)
         # CUDA graphs: whole decode steps, and the attention-free pieces of the other steps
-        self.graphs, self.graph_error, self.piecewise = capture_runner_graphs(self, rows)
+        self.graphs, self.graph_error, self.piecewise, self.mixed = capture_runner_graphs(
+            self, rows)
         report_reserved(cfg.memory_plan, self.device)
 
     # ---- step -----------------------------------------------------------------------------
@@ -197,6 +198,9 @@ class ModelRunner(SamplingStep):
 
         nd = sum(1 for c in chunks if c.is_decode)
         self._decode_fills = decode_fills(chunks[:nd], self.page_size)
+        if nd < len(chunks) and self.mixed is not None and self.mixed.runs(chunks, n,
+                                                                           self.row_params):
+            return chunks, self.mixed.run(chunks, offsets, input_ids, positions, token_rows), t0
         pw = self.piecewise
         whole = pw is not None and pw.runs_whole_step(  # all rows through the pieces
             nd, len(chunks), n,

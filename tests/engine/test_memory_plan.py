@@ -273,3 +273,26 @@ def test_cudagraph_mode_checked(model_dir, caplog):
                    cudagraph_mode="FULL_AND_PIECEWISE").create_engine_config()
     assert "cudagraph_mode FULL_AND_PIECEWISE has no effect: there are no CUDA graphs on cpu" \
         in caplog.text
+
+
+def test_whole_step_graphs_are_counted(gpu, caplog):
+    """cudagraph_mode FULL (worker/mixed_graphs.py) adds the piecewise-sized pool plus the
+    whole-step graphs' page tables [S, Hkv, W] and sampled logits [S, vocab] to the graph
+    pool; with sparse attention it captures nothing extra and warns."""
+    from sparseserve.engine.memory_plan import captures_mixed_graphs, piecewise_pool_bytes
+
+    gpu(140 * GiB, 141 * GiB)
+    kw = dict(model="llama-3-8b", load_format="dummy", device="cuda", dtype="bfloat16",
+              max_model_len=32768, max_num_seqs=64)
+    pw = EngineArgs(cudagraph_mode="FULL_AND_PIECEWISE", **kw).create_engine_config()[0]
+    full = EngineArgs(cudagraph_mode="FULL", **kw).create_engine_config()[0]
+    assert captures_mixed_graphs(full) and not captures_mixed_graphs(pw)
+    extra = piecewise_pool_bytes(full) - piecewise_pool_bytes(pw)
+    assert full.memory_plan.graph_pool - pw.memory_plan.graph_pool == extra
+    width = -(-32768 // full.cache.page_size)  # pages a row can hold
+    tables, logits = 64 * 8 * width * 4, 64 * 128256 * (2 + 8)
+    assert extra >= tables + logits
+    with caplog.at_level("WARNING", logger="sparseserve"):
+        sparse = EngineArgs(cudagraph_mode="FULL", preset="sparse", **kw).create_engine_config()[0]
+    assert not captures_mixed_graphs(sparse)
+    assert "dense attention over device pages only" in caplog.text

@@ -85,17 +85,18 @@ def test_async_scheduling_equals_sync_with_graphs(tiny_model_dirs, offload):
     assert outs[True] == outs[False]
 
 
-@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "FULL"])
 def test_dummy_llama3_shape_runs(tmp_path, mode):
-    """The Llama-3-8B shape serves in both graph modes (hybrid steps: two prompts decode while
-    a third is chunked in), and what torch reserves for the engine (weights, KV, both graph
+    """The Llama-3-8B shape serves in every graph mode (hybrid steps: two prompts decode while
+    a third is chunked in), and what torch reserves for the engine (weights, KV, the graph
     pools, cuDNN plans) stays inside its memory plan — with piecewise graphs for every layer
-    and bucket up to 2,048 tokens."""
+    and bucket up to 2,048 tokens, or whole-step graphs per bucket (FULL)."""
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved()
     llm = LLM("llama-3-8b", load_format="dummy", max_model_len=4096, max_num_seqs=8,
               max_num_batched_tokens=2048, kv_cache_memory_bytes=4 << 30, cudagraph_mode=mode)
     assert (llm.engine.runner.piecewise is not None) == (mode == "FULL_AND_PIECEWISE")
+    assert (llm.engine.runner.mixed is not None) == (mode == "FULL")
     assert torch.cuda.memory_reserved() - before <= llm.engine.config.memory_plan.total
     prompts = [{"prompt_token_ids": list(range(1, n))} for n in (1000, 600, 3000)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),

@@ -1,0 +1,218 @@
+"""Whole-step CUDA graphs for steps that mix prefill chunks and decode rows (`cudagraph_mode
+FULL`, vLLM's name; issue 12, item 2).
+
+Piecewise graphs (piecewise_graphs.py) leave attention eager between the captured pieces, so a
+hybrid step still costs ~10 launches of host work per layer. Here attention is captured too:
+every row of the step — decode rows as one-token chunks, prompt chunks from any position —
+attends through one paged prefill launch per layer (kernels/paged_prefill.py), whose grid is
+sized for the most blocks a token bucket can hold and whose per-step facts (each chunk's rows,
+first position and batch row, each block's chunk and first row, the live block count) are
+read from static device buffers. Everything else comes from the persistent page directory on
+the device, as in the decode graphs (cuda_graphs.py): where each token's K/V goes, and each
+chunk's pages. A step then costs a few small host-to-device copies and one graph launch.
+
+Scope: dense attention over device pages (no sparse selection, no two-tier cache: those keep
+their decode graphs and piecewise hybrid steps), whole-model steps (no layer segments), no
+prompt logprobs (they need every row's hidden state), at most `max_num_seqs` chunks and the
+largest bucket's tokens. Padding rows [T, b) point at the scratch row (their K/V land in the
+scratch page) and belong to no chunk: no real row reads them (every other op is row-wise).
+Logits are computed for up to `max_num_seqs` sampled rows into one static buffer shared by
+every bucket's graph.
+
+Without `capture` (CPU, tests) `_forward` runs as plain calls over the same buffers (Triton's
+interpreter for the kernels), which exercises everything but the capture itself.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sparseserve.kernels.paged_prefill import block_tokens, plan_blocks
+from sparseserve.kernels.paged_prefill import paged_prefill_attention
+
+
+class _GraphAttention:
+    """The attention context of a captured mixed step: store every row's K/V at its page slot,
+    then one paged prefill launch over all chunks (see the module docstring)."""
+
+    def __init__(self, graphs: "MixedStepGraphs", b: int, store_rows: torch.Tensor,
+                 table: torch.Tensor) -> None:
+        self.g, self.b = graphs, b
+        self.store_rows = store_rows  # [b * Hkv] rows of a cache viewed [P * ps, D]
+        self.table = table  # [S, Hkv, W] int32 each chunk's pages
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> torch.Tensor:
+        g = self.g
+        k_cache, v_cache = g.kv.k[layer], g.kv.v[layer]
+        d = k.shape[-1]
+        k_cache.view(-1, d).index_copy_(0, self.store_rows, k.reshape(-1, d))
+        v_cache.view(-1, d).index_copy_(0, self.store_rows, v.reshape(-1, d))
+        out = torch.empty_like(q)  # padding rows stay unset: nothing reads them
+        paged_prefill_attention(q, k_cache, v_cache, self.table, g.q_begin, g.q_end,
+                                g.starts, g.block_seq[:g.grid(self.b)],
+                                g.block_q0[:g.grid(self.b)], g.scale, g.block_m, out=out,
+                                num_blocks=g.num_blocks)
+        return out
+
+
+class MixedStepGraphs:
+    """One whole-forward graph per token bucket for dense mixed steps (module docstring).
+
+    runner: the ModelRunner (model, kv, pages, scale, scratch_row, device); buckets: ascending
+    token counts (piecewise_graphs.token_buckets); max_seqs: chunks a step can hold."""
+
+    def __init__(self, runner, buckets: list[int], max_seqs: int, capture: bool = True) -> None:
+        if not buckets:
+            raise ValueError("mixed-step graphs need at least one token bucket")
+        self.model, self.kv, self.pages = runner.model, runner.kv, runner.pages
+        self.scale, self.scratch_row = runner.scale, runner.scratch_row
+        self.num_layers = runner.num_layers
+        self.buckets, self.max_seqs = list(buckets), max_seqs
+        self.capture_graphs = capture
+        attn = self.model.model.layers[0].self_attn
+        self.block_m = block_tokens(attn.num_heads, attn.num_kv_heads)
+        n, s, dev = self.buckets[-1], max_seqs, runner.device
+        mb = self.grid(n)
+        # int64 inputs in one buffer (one host-to-device copy a step): token ids [n],
+        # positions [n], batch rows [n], each chunk's batch row [S], the sampled rows [S]
+        self._i64 = torch.zeros(3 * n + 2 * s, dtype=torch.long, device=dev)
+        self.input_ids, self.positions, self.rows, self.seq_rows, self.sample_idx = \
+            torch.split(self._i64, [n, n, n, s, s])
+        # int32 attention metadata in one buffer: q_begin, q_end, starts [S], block_seq,
+        # block_q0 [grid(n)], the live block count [1]
+        self._i32 = torch.zeros(3 * s + 2 * mb + 1, dtype=torch.int32, device=dev)
+        (self.q_begin, self.q_end, self.starts, self.block_seq, self.block_q0,
+         self.num_blocks) = torch.split(self._i32, [s, s, s, mb, mb, 1])
+        # host staging, two sets used in turn: a step rewrites the set whose copy was
+        # issued two steps ago (its event has long completed: no host wait in practice)
+        pin = dev.type == "cuda"
+        self._staging = [(torch.zeros(self._i64.shape, dtype=torch.long, pin_memory=pin),
+                          torch.zeros(self._i32.shape, dtype=torch.int32, pin_memory=pin), None)
+                         for _ in range(2)]
+        self._turn = 0
+        self.logits: torch.Tensor | None = None  # [S, vocab] fp32, shared by every bucket
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def grid(self, b: int) -> int:
+        """Programs per KV head for a b-token bucket: the most blocks b tokens in at most
+        max_seqs chunks can need (each chunk adds at most one partial block)."""
+        return b // self.block_m + self.max_seqs
+
+    def bucket(self, n: int) -> int | None:
+        for s in self.buckets:
+            if s >= n:
+                return s
+        return None
+
+    def runs(self, chunks, num_tokens: int, row_params: dict) -> bool:
+        """Whether a step with prefill work runs whole through these graphs: it fits the
+        largest bucket and max_seqs chunks, every chunk runs every layer (no layer segment),
+        and none asks for prompt logprobs."""
+        return (len(chunks) <= self.max_seqs and num_tokens <= self.max_tokens
+                and all(c.layer_start == 0 and c.layer_end == self.num_layers
+                        and (c.is_decode or row_params[c.row].prompt_logprobs is None)
+                        for c in chunks))
+
+    def _idle(self, h64: torch.Tensor, h32: torch.Tensor) -> None:
+        """Staging at its idle state: no chunk, no live block, every row on the scratch row,
+        sampled rows 0 (the unused ones are gathered and dropped)."""
+        n = self.max_tokens
+        h64.zero_()
+        h64[2 * n:3 * n + self.max_seqs] = self.scratch_row  # rows, seq_rows
+        h32.zero_()
+
+    # ---- the captured forward -------------------------------------------------------------
+    def _forward(self, b: int) -> None:
+        model, pages, ps = self.model, self.pages, self.kv.page_size
+        pos, rows = self.positions[:b], self.rows[:b]
+        store = pages.pages_at(rows, torch.div(pos, ps, rounding_mode="floor"))  # [b, Hkv]
+        store_rows = (store * ps + (pos % ps)[:, None]).reshape(-1)
+        table = pages.table(self.seq_rows, pages.max_blocks)  # [S, Hkv, W]
+        ctx = _GraphAttention(self, b, store_rows, table)
+        h = model.embed(self.input_ids[:b])
+        h = model.run_layers(h, pos, ctx, 0, self.num_layers)
+        logits = model.compute_logits(h[self.sample_idx])  # [S, vocab]
+        if self.logits is None:
+            self.logits = torch.empty_like(logits)
+        self.logits.copy_(logits)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket's graph, largest first (later graphs reuse the pool's blocks),
+        with every chunk on the scratch row and no live block. A no-op without `capture`."""
+        h64, h32, _ = self._staging[0]
+        self._idle(h64, h32)
+        self._i64.copy_(h64)
+        self._i32.copy_(h32)
+        if not self.capture_graphs:
+            return
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for b in reversed(self.buckets):
+                self._forward(b)  # warm-up: Triton, cuBLAS, the allocator
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                    self._forward(b)
+                if self.pool is None:
+                    self.pool = g.pool()
+                self.graphs[b] = g
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    # ---- a step -----------------------------------------------------------------------------
+    def run(self, chunks, offsets: list[int], input_ids: torch.Tensor,
+            positions: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
+        """A whole-model step of `chunks` (decode rows first, `offsets` their first rows in the
+        step's token batch; input_ids / positions / token_rows [T] on the device, as the runner
+        built them) -> fp32 logits [N, vocab] of the chunks that sample, in chunk order (a view
+        of the static output)."""
+        t = input_ids.shape[0]
+        b = self.bucket(t)
+        if b is None or len(chunks) > self.max_seqs:
+            raise ValueError(f"a step of {t} tokens in {len(chunks)} chunks does not fit the "
+                             f"mixed-step graphs ({self.max_tokens} tokens, {self.max_seqs})")
+        n, s = self.max_tokens, self.max_seqs
+        lens = [c.num_tokens for c in chunks]
+        seq, q0 = plan_blocks(lens, self.block_m, offsets)
+        sampled = [off + c.num_tokens - 1 for c, off in zip(chunks, offsets) if c.sample]
+        h64, h32, copied = self._staging[self._turn]
+        if copied is not None:
+            copied.synchronize()  # issued two steps ago: complete
+        self._idle(h64, h32)
+        h64[3 * n:3 * n + len(chunks)] = torch.tensor([c.row for c in chunks])
+        h64[3 * n + s:3 * n + s + len(sampled)] = torch.tensor(sampled, dtype=torch.long)
+        mb = self.grid(n)
+        h32[0:len(chunks)] = torch.from_numpy(np.asarray(offsets, dtype=np.int32))
+        h32[s:s + len(chunks)] = torch.from_numpy(np.asarray(offsets, dtype=np.int32)
+                                                  + np.asarray(lens, dtype=np.int32))
+        h32[2 * s:2 * s + len(chunks)] = torch.tensor([c.start for c in chunks],
+                                                       dtype=torch.int32)
+        h32[3 * s:3 * s + len(seq)] = torch.from_numpy(seq)
+        h32[3 * s + mb:3 * s + mb + len(q0)] = torch.from_numpy(q0)
+        h32[3 * s + 2 * mb] = len(seq)
+        # the scalars staged first (non-blocking from pinned memory), then the step's device
+        # tensors (ids may hold the last step's tokens, filled on the device: async scheduling)
+        self._i64.copy_(h64, non_blocking=True)
+        self._i32.copy_(h32, non_blocking=True)
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.rows[:t].copy_(token_rows)  # padding rows [t, b): scratch row, position 0
+        copied = None
+        if self._i64.is_cuda:
+            copied = torch.cuda.Event()
+            copied.record()
+        self._staging[self._turn] = (h64, h32, copied)
+        self._turn ^= 1
+        g = self.graphs.get(b)
+        if g is not None:
+            g.replay()
+        else:
+            self._forward(b)
+        return self.logits[:len(sampled)]
