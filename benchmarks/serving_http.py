@@ -8,7 +8,8 @@ at the same rate and writes one JSON (every bench result, the server commands).
   python benchmarks/serving_http.py --out $OUT/serving_http.json --model lwm-7b \\
       --presets sparseserve,dense --request-rate 2 --num-prompts 16
   # a preset with "+async" runs the server with --async-scheduling (e.g. dense+async), with
-  # "+piecewise" with --cudagraph-mode FULL_AND_PIECEWISE (e.g. dense+async+piecewise)
+  # "+piecewise" with --cudagraph-mode FULL_AND_PIECEWISE (e.g. dense+async+piecewise),
+  # "+full" with --cudagraph-mode FULL
   python benchmarks/serving_http.py --out /tmp/h.json --smoke      # tiny model on the CPU
 
 The in-process sweep (benchmarks/serving.py) measures the same quantities without HTTP; this
@@ -45,11 +46,13 @@ def free_port() -> int:
 
 def server_command(a, model: str, preset: str, port: int) -> list[str]:
     """`preset` is a preset name with optional modifiers: "+async" (the server with
-    --async-scheduling), "+piecewise" (--cudagraph-mode FULL_AND_PIECEWISE)."""
+    --async-scheduling), "+piecewise" (--cudagraph-mode FULL_AND_PIECEWISE), "+full"
+    (--cudagraph-mode FULL)."""
     preset, *mods = preset.split("+")
-    bad = set(mods) - {"async", "piecewise"}
-    if bad:
-        raise ValueError(f"unknown preset modifier(s) {sorted(bad)} (known: +async, +piecewise)")
+    bad = set(mods) - {"async", "piecewise", "full"}
+    if bad or {"piecewise", "full"} <= set(mods):
+        raise ValueError(f"unknown or conflicting preset modifier(s) {sorted(mods)} (known: "
+                         "+async, one of +piecewise / +full)")
     cmd = [sys.executable, "-m", "sparseserve.cli", "serve", model, "--port", str(port),
            "--preset", preset, "--max-model-len", str(a.max_model_len),
            "--max-num-seqs", str(a.max_num_seqs),
@@ -66,6 +69,8 @@ def server_command(a, model: str, preset: str, port: int) -> list[str]:
         cmd += ["--async-scheduling"]
     if "piecewise" in mods:
         cmd += ["--cudagraph-mode", "FULL_AND_PIECEWISE"]
+    if "full" in mods:
+        cmd += ["--cudagraph-mode", "FULL"]
     if a.smoke:
         cmd += ["--device", "cpu", "--dtype", "float32"]
     return cmd

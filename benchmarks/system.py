@@ -13,7 +13,8 @@ full system (sparseserve-chunked: no layer-segmented prefill; sparseserve-no-wc:
 working-set control; sparseserve-flashd2h: prefill saves by FlashD2H's CPU scatter instead of
 the preset's GPU-direct writes; sparseserve-copyengine: by the copy engine; dense-async,
 sparseserve-async: with async scheduling; *-piecewise: with piecewise CUDA graphs for steps
-with prefill work, `--cudagraph-mode FULL_AND_PIECEWISE`). The device KV
+with prefill work, `--cudagraph-mode FULL_AND_PIECEWISE`; dense-full, dense-async-full: whole
+steps with prefill work as CUDA graphs, `--cudagraph-mode FULL`). The device KV
 budget is the same for all (default 20 GiB, an A100-40GB-like budget); the host tier is sized
 for the trace. Ratios are to `dense` in the same run.
 
@@ -58,6 +59,9 @@ CONFIGS = {
                                   cudagraph_mode="FULL_AND_PIECEWISE"),
     "sparseserve-async-piecewise": dict(preset="sparseserve", async_scheduling=True,
                                         cudagraph_mode="FULL_AND_PIECEWISE"),
+    # steps with prefill work as whole CUDA graphs (dense attention only)
+    "dense-full": dict(preset="dense", cudagraph_mode="FULL"),
+    "dense-async-full": dict(preset="dense", async_scheduling=True, cudagraph_mode="FULL"),
 }
 TRACES = ("mix40", "long32", "light8")
 

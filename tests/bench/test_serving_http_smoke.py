@@ -41,3 +41,23 @@ def test_serving_http_smoke(tmp_path):
         assert res["usage_sources"] == ["server"] and res["mean_itl_ms"] > 0
         assert rec["server_exit_code"] is not None  # the server was stopped
     assert "x dense" in proc.stdout
+
+
+def test_preset_modifiers_map_to_server_flags():
+    """+async / +piecewise / +full become the server's flags; unknown or conflicting ones are
+    an error that names the known modifiers."""
+    import argparse
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from serving_http import server_command
+
+    a = argparse.Namespace(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64,
+                           kv_cache_gib=1, load_format="dummy", token_budget=64, host_gib=1,
+                           smoke=False)
+    cmd = server_command(a, "m", "dense+async+full", 8000)
+    assert "--async-scheduling" in cmd and cmd[cmd.index("--cudagraph-mode") + 1] == "FULL"
+    cmd = server_command(a, "m", "sparseserve+piecewise", 8000)
+    assert cmd[cmd.index("--cudagraph-mode") + 1] == "FULL_AND_PIECEWISE"
+    for bad in ("dense+fast", "dense+piecewise+full"):
+        with pytest.raises(ValueError, match="known: \\+async"):
+            server_command(a, "m", bad, 8000)
