@@ -129,6 +129,22 @@ def device() -> torch.device:
     return DEVICE
 
 
+@pytest.fixture
+def paged_prefill_calls(monkeypatch):
+    """The chunks of every paged prefill launch (kernels/paged_prefill.py) while the test
+    runs: [number of chunks per launch] (the kernel itself still runs)."""
+    import sparseserve.kernels.paged_prefill as pp
+    calls = []
+    real = pp.paged_prefill_attention
+
+    def counted(*args, **kw):
+        calls.append(args[5].shape[0])  # q_end: one entry per chunk
+        return real(*args, **kw)
+
+    monkeypatch.setattr(pp, "paged_prefill_attention", counted)
+    return calls
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory):
     """{kind: (directory, transformers model)} for every tiny architecture in tests/tiny_models.py."""

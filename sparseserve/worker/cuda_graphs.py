@@ -33,36 +33,36 @@ def capture_runner_graphs(runner, max_batch: int):
                                                 captures_piecewise_graphs, piecewise_max_tokens)
     from sparseserve.worker.piecewise_graphs import token_buckets
     cfg = runner.cfg
-    graphs, error, piecewise, mixed = None, None, None, None
+    buckets = token_buckets(piecewise_max_tokens(cfg))
+    graphs, error = None, None
     if captures_decode_graphs(cfg):
-        try:
-            graphs = DecodeGraphs(runner, max_batch)
-            graphs.capture()
-        except Exception as e:  # noqa: BLE001
-            graphs, error = None, f"{type(e).__name__}: {e}"
-            logger.warning("CUDA graph capture failed, decoding eagerly: %s", error)
-            torch.cuda.synchronize()
+        graphs, error = _captured(lambda: DecodeGraphs(runner, max_batch),
+                                  "CUDA graph capture failed, decoding eagerly")
+    mixed = piecewise = None
     if captures_mixed_graphs(cfg):
         from sparseserve.worker.mixed_graphs import MixedStepGraphs
-        try:
-            mixed = MixedStepGraphs(runner, token_buckets(piecewise_max_tokens(cfg)), max_batch)
-            mixed.capture()
-        except Exception as e:  # noqa: BLE001
-            mixed = None
-            logger.warning("whole-step CUDA graph capture failed, steps with prefill work run "
-                           "eagerly: %s: %s", type(e).__name__, e)
-            torch.cuda.synchronize()
+        mixed, _ = _captured(lambda: MixedStepGraphs(runner, buckets, max_batch),
+                             "whole-step CUDA graph capture failed, steps with prefill work "
+                             "run eagerly")
     if captures_piecewise_graphs(cfg):
         from sparseserve.worker.piecewise_graphs import PiecewiseGraphs
-        try:
-            piecewise = PiecewiseGraphs(runner.model, token_buckets(piecewise_max_tokens(cfg)))
-            piecewise.capture()
-        except Exception as e:  # noqa: BLE001
-            piecewise = None
-            logger.warning("piecewise CUDA graph capture failed, steps with prefill work run "
-                           "eagerly: %s: %s", type(e).__name__, e)
-            torch.cuda.synchronize()
+        piecewise, _ = _captured(lambda: PiecewiseGraphs(runner.model, buckets),
+                                 "piecewise CUDA graph capture failed, steps with prefill work "
+                                 "run eagerly")
     return graphs, error, piecewise, mixed
+
+
+def _captured(build, failure: str):
+    """-> (build() with its graphs captured, None), or (None, the error) after a warning."""
+    try:
+        graphs = build()
+        graphs.capture()
+        return graphs, None
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+        logger.warning("%s: %s", failure, error)
+        torch.cuda.synchronize()
+        return None, error
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -106,20 +106,9 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for b in reversed(self.sizes):  # largest first: later graphs reuse its pool
-                for fills in self.variants:
-                    self._forward(b, fills)  # warm-up: Triton compilation, RoPE, allocator
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                        self.logits[b, fills] = self._forward(b, fills)
-                    if self.pool is None:
-                        self.pool = g.pool()
-                    self.graphs[b, fills] = g
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        from sparseserve.worker.graph_capture import capture_all
+        keys = [(b, fills) for b in reversed(self.sizes) for fills in self.variants]
+        self.graphs, self.logits, self.pool = capture_all(keys, lambda key: self._forward(*key))
 
     def stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
               rows: torch.Tensor) -> int:

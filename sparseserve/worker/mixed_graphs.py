@@ -29,6 +29,7 @@ import torch
 
 from sparseserve.kernels.paged_prefill import block_tokens, plan_blocks
 from sparseserve.kernels.paged_prefill import paged_prefill_attention
+from sparseserve.worker.graph_capture import capture_all
 
 
 class _GraphAttention:
@@ -150,21 +151,8 @@ class MixedStepGraphs:
         self._idle(h64, h32)
         self._i64.copy_(h64)
         self._i32.copy_(h32)
-        if not self.capture_graphs:
-            return
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for b in reversed(self.buckets):
-                self._forward(b)  # warm-up: Triton, cuBLAS, the allocator
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                    self._forward(b)
-                if self.pool is None:
-                    self.pool = g.pool()
-                self.graphs[b] = g
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        if self.capture_graphs:
+            self.graphs, _, self.pool = capture_all(reversed(self.buckets), self._forward)
 
     # ---- a step -----------------------------------------------------------------------------
     def run(self, chunks, offsets: list[int], input_ids: torch.Tensor,

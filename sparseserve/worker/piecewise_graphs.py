@@ -140,20 +140,10 @@ class PiecewiseGraphs:
         results live in the static buffers). A no-op without `capture`."""
         if not self.capture_graphs:
             return
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for b in reversed(self.buckets):
-                for kind, layer in self._pieces():
-                    self._PIECES[kind](self, layer, b)  # warm-up: Triton, cuBLAS, allocator
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                        self._PIECES[kind](self, layer, b)
-                    if self.pool is None:
-                        self.pool = g.pool()
-                    self.graphs[kind, layer, b] = g
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        from sparseserve.worker.graph_capture import capture_all
+        keys = [(kind, layer, b) for b in reversed(self.buckets) for kind, layer in self._pieces()]
+        self.graphs, _, self.pool = capture_all(
+            keys, lambda key: self._PIECES[key[0]](self, key[1], key[2]))
         self.x.zero_()
         self.residual.zero_()
         self.attn.zero_()

@@ -22,24 +22,15 @@ def test_gpu_fp32_matches_transformers(tiny_model_dirs, kind):
 
 
 @pytest.mark.parametrize("kind", ["llama-gqa", "llama-mha"])
-def test_gpu_chunked_prefill_matches_transformers(tiny_model_dirs, kind, monkeypatch):
+def test_gpu_chunked_prefill_matches_transformers(tiny_model_dirs, kind, paged_prefill_calls):
     """Prompts prefilled in 20-token chunks (not page-aligned: page 16): every chunk after the
     first continues a prefix and attends through the paged prefill kernel, fp32, against
     transformers on the whole prompt."""
-    import sparseserve.kernels.paged_prefill as pp
-    calls = []
-    real = pp.paged_prefill_attention
-
-    def counted(*args, **kw):
-        calls.append(args[0].shape[0])
-        return real(*args, **kw)
-
-    monkeypatch.setattr(pp, "paged_prefill_attention", counted)
     path, hf_model = tiny_model_dirs[kind]
     llm = LLM(path, device="cuda", dtype="float32", page_size=16, max_num_seqs=4,
               kv_cache_memory_bytes=64 << 20, max_model_len=512, max_num_batched_tokens=20)
     check_against_hf(llm, hf_model, PROMPTS, atol=5e-3)
-    assert calls, "no chunk went through the paged prefill kernel"
+    assert paged_prefill_calls, "no chunk went through the paged prefill kernel"
 
 
 def test_cuda_graphs_equal_eager(tiny_model_dirs):

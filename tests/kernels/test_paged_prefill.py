@@ -3,8 +3,6 @@ kernel (compiled on CUDA, interpreted on CPU) against explicit float64 causal so
 over each sequence's unpaged K/V. Physical pages are a random permutation, token slots past a
 sequence's end and unused pages hold NaN, page-table entries past a sequence's pages hold
 garbage — none of which may reach the output."""
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -14,34 +12,14 @@ from sparseserve.kernels.paged_prefill import (METADATA, block_tokens, paged_pre
 
 from tests.conftest import DEVICE
 from tests.kernels import TOL, to_dev
+from tests.kernels.test_paged_decode import _paged
 
 
 def _pool(totals, Hkv, D, ps, gen, dtype):
-    """Sequences of `totals` tokens per KV head scattered into a NaN pool of pages.
-    -> (dense K/V per sequence [Hkv, L, D] on the CPU, k_cache, v_cache [P, ps, D], table
-    [S, Hkv, W] int32)."""
-    n_pages = [math.ceil(L / ps) for L in totals]
-    W = max(n_pages) + 1  # one entry more than any sequence needs: garbage
-    P = sum(n_pages) * Hkv + 3
-    perm = torch.randperm(P, generator=gen)
-    k_cache = torch.full((P, ps, D), float("nan"), dtype=dtype)
-    v_cache = torch.full((P, ps, D), float("nan"), dtype=dtype)
-    table = torch.full((len(totals), Hkv, W), 2**30, dtype=torch.int32)
-    ks, vs, nxt = [], [], 0
-    for s, L in enumerate(totals):
-        k = torch.randn(Hkv, L, D, generator=gen).to(dtype)
-        v = torch.randn(Hkv, L, D, generator=gen).to(dtype)
-        ks.append(k)
-        vs.append(v)
-        for h in range(Hkv):
-            for j in range(n_pages[s]):
-                pid = int(perm[nxt])
-                nxt += 1
-                table[s, h, j] = pid
-                t = min(ps, L - j * ps)
-                k_cache[pid, :t] = k[h, j * ps: j * ps + t]
-                v_cache[pid, :t] = v[h, j * ps: j * ps + t]
-    return ks, vs, k_cache, v_cache, table
+    """Sequences of `totals` tokens per KV head in a NaN pool of permuted pages, garbage past
+    each sequence's entries (test_paged_decode's harness) -> (dense K/V per sequence [Hkv, L,
+    D] on the CPU, k_cache, v_cache [P, ps, D], table [S, Hkv, W] int32)."""
+    return _paged(totals, Hkv, D, ps, gen, dtype)[:5]
 
 
 def _reference(q, ks, vs, lens, starts, scale):

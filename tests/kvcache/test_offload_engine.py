@@ -178,27 +178,19 @@ def test_gpu_retrieve_path_defers_index_rebuilds_to_the_step_end(model_dir, monk
 
 
 @pytest.mark.parametrize("algo", ["arkvale", "infllm", "retroinfer"])
-def test_forced_offload_paged_prefill_kernel_equals_resident(model_dir, algo, monkeypatch):
+def test_forced_offload_paged_prefill_kernel_equals_resident(model_dir, algo, monkeypatch,
+                                                            paged_prefill_calls):
     """Chunks continuing a prefix over the two tiers through the paged prefill kernel (the GPU
     path, interpreted here; pages they complete indexed from their slots, queries and values
     included) == all resident on the torch path, tokens and logprobs."""
-    import sparseserve.kernels.paged_prefill as pp
     from sparseserve.worker.forward_context import ForwardContext
 
     resident = LLM(model_dir, **dict(SPARSE, sparse_algorithm=algo)).generate(
         prompts(), PARAMS, use_tqdm=False)
-    calls = []
-    real = pp.paged_prefill_attention
-
-    def counted(*args, **kw):
-        calls.append(args[0].shape[0])
-        return real(*args, **kw)
-
-    monkeypatch.setattr(pp, "paged_prefill_attention", counted)
     monkeypatch.setattr(ForwardContext, "paged_prefill_kernel", True)
     llm = offload_llm(model_dir, 32, sparse_algorithm=algo, max_num_batched_tokens=48)
     outs = llm.generate(prompts(), PARAMS, use_tqdm=False)
-    assert calls, "no chunk went through the paged prefill kernel"
+    assert paged_prefill_calls, "no chunk went through the paged prefill kernel"
     for a, b in zip(outs, resident):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):

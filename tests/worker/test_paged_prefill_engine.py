@@ -14,19 +14,11 @@ PROMPTS = [[5], [7 + i % 300 for i in range(17)], [11 + (i * 7) % 300 for i in r
 
 @pytest.mark.parametrize("kind", ["llama-gqa", "llama-mha"])
 def test_chunked_prefill_through_the_paged_kernel_matches_transformers(tiny_model_dirs, kind,
-                                                                        monkeypatch):
-    import sparseserve.kernels.paged_prefill as pp
-    calls = []
-    real = pp.paged_prefill_attention
-
-    def counted(*args, **kw):
-        calls.append(args[5].shape[0])  # chunks in the launch
-        return real(*args, **kw)
-
-    monkeypatch.setattr(pp, "paged_prefill_attention", counted)
+                                                                        monkeypatch,
+                                                                        paged_prefill_calls):
     monkeypatch.setattr(ForwardContext, "paged_prefill_kernel", True)
     path, hf_model = tiny_model_dirs[kind]
     llm = LLM(path, page_size=16, max_num_seqs=4, max_num_batched_tokens=20, max_model_len=512)
     check_against_hf(llm, hf_model, PROMPTS)
-    assert calls, "no chunk went through the paged prefill kernel"
+    assert paged_prefill_calls, "no chunk went through the paged prefill kernel"
     llm.engine.check_invariants()
