@@ -277,18 +277,23 @@ def piecewise_pool_bytes(cfg: EngineConfig) -> int:
     shared pool, which holds one piece's intermediates at the largest bucket n (a layer's
     activations per token, as graph_pool_bytes counts them); 0 when none are captured. The
     whole-step graphs of cudagraph_mode FULL (mixed_graphs.py) hold the same per-token
-    buffers inside their pool, plus the static inputs, the kernel's metadata, each chunk's
-    page table [S, Hkv, W] int32 and the sampled rows' logits [S, vocab] (model dtype and
-    fp32, and the static fp32 copy)."""
+    buffers inside their pool, plus the static inputs, the kernel's metadata, the page tables
+    [S, Hkv, W] int32 of the prompt chunks and of the decode lanes, the decode lanes' split-K
+    workspace and the sampled rows' logits [S, vocab] (model dtype and fp32, and the static
+    fp32 copy)."""
     mixed = captures_mixed_graphs(cfg)
     if not (captures_piecewise_graphs(cfg) or mixed):
         return 0
     extra = 0
     if mixed:
         s = cfg.scheduler.max_num_seqs
-        _, hkv, _, e = _rank_shape(cfg)
+        _, hkv, d, e = _rank_shape(cfg)
         width = _cdiv(cfg.scheduler.max_model_len, cfg.cache.page_size)
-        extra = (s * (hkv * width * 4 + cfg.model.vocab_size * (e + 8) + cfg.model.hidden_size * e)
+        # the decode lanes' split-K workspace: at most num_sms x PROGRAMS_PER_SM rows of
+        # [BLOCK_G, D + 2] fp32 (kernels/paged_decode.py; 132 SMs on the H100 / H200)
+        workspace = 132 * 8 * max(16, cfg.model.num_attention_heads // hkv) * (d + 2) * 4
+        extra = (s * (2 * hkv * width * 4 + cfg.model.vocab_size * (e + 8)
+                      + cfg.model.hidden_size * e + 6 * 8) + workspace
                  + piecewise_max_tokens(cfg) * (3 * 8 + 2 * 4))
     mc = cfg.model
     _, hkv, d, e = _rank_shape(cfg)

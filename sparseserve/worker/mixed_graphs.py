@@ -2,14 +2,17 @@
 FULL`, vLLM's name; issue 12, item 2).
 
 Piecewise graphs (piecewise_graphs.py) leave attention eager between the captured pieces, so a
-hybrid step still costs ~10 launches of host work per layer. Here attention is captured too:
-every row of the step — decode rows as one-token chunks, prompt chunks from any position —
-attends through one paged prefill launch per layer (kernels/paged_prefill.py), whose grid is
-sized for the most blocks a token bucket can hold and whose per-step facts (each chunk's rows,
-first position and batch row, each block's chunk and first row, the live block count) are
-read from static device buffers. Everything else comes from the persistent page directory on
-the device, as in the decode graphs (cuda_graphs.py): where each token's K/V goes, and each
-chunk's pages. A step then costs a few small host-to-device copies and one graph launch.
+hybrid step still costs ~10 launches of host work per layer. Here attention is captured too,
+with fixed shapes whatever the step holds: the prompt chunks (from any position) attend
+through one paged prefill launch per layer (kernels/paged_prefill.py), its grid sized for the
+most blocks a token bucket can hold; the decode rows through paged decode (split-K, so a long
+context is read by many programs) over `max_num_seqs` lanes, unused lanes on the scratch row
+writing a dropped row. The per-step facts (each chunk's rows, first position and batch row,
+each block's chunk and first row, the live block count, each lane's row and position) are read
+from static device buffers; everything else comes from the persistent page directory on the
+device, as in the decode graphs (cuda_graphs.py): where each token's K/V goes, and the pages
+of each chunk and lane. A step then costs two small host-to-device copies, three
+device-to-device ones and one graph launch.
 
 Scope: dense attention over device pages (no sparse selection, no two-tier cache: those keep
 their decode graphs and piecewise hybrid steps), whole-model steps (no layer segments), no
@@ -27,34 +30,47 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from sparseserve.kernels import paged_decode_attention
 from sparseserve.kernels.paged_prefill import block_tokens, plan_blocks
 from sparseserve.kernels.paged_prefill import paged_prefill_attention
 from sparseserve.worker.graph_capture import capture_all
 
 
 class _GraphAttention:
-    """The attention context of a captured mixed step: store every row's K/V at its page slot,
-    then one paged prefill launch over all chunks (see the module docstring)."""
+    """The attention context of a captured mixed step (module docstring): store every row's
+    K/V at its page slot; the decode lanes through paged decode (split-K: a long context is
+    read by many programs), the prompt chunks through one paged prefill launch."""
 
     def __init__(self, graphs: "MixedStepGraphs", b: int, store_rows: torch.Tensor,
                  table: torch.Tensor) -> None:
-        self.g, self.b = graphs, b
+        g = self.g = graphs
+        self.b = b
         self.store_rows = store_rows  # [b * Hkv] rows of a cache viewed [P * ps, D]
         self.table = table  # [S, Hkv, W] int32 each chunk's pages
+        ps, hkv = g.kv.page_size, g.pages.num_kv_heads
+        # decode lanes [S]: their pages, page counts and last page's length, from the device
+        seq_lens = g.dec_pos + 1
+        n_pages = torch.div(seq_lens + ps - 1, ps, rounding_mode="floor")
+        self.dec_table = g.pages.table(g.dec_rows, g.pages.max_blocks)  # [S, Hkv, W]
+        self.dec_num_pages = n_pages[:, None].expand(-1, hkv).to(torch.int32).contiguous()
+        self.dec_last_len = (seq_lens - (n_pages - 1) * ps).to(torch.int32)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor) -> torch.Tensor:
-        g = self.g
+        g, b = self.g, self.b
         k_cache, v_cache = g.kv.k[layer], g.kv.v[layer]
         d = k.shape[-1]
         k_cache.view(-1, d).index_copy_(0, self.store_rows, k.reshape(-1, d))
         v_cache.view(-1, d).index_copy_(0, self.store_rows, v.reshape(-1, d))
-        out = torch.empty_like(q)  # padding rows stay unset: nothing reads them
+        # row b is where unused decode lanes write; padding rows stay unset (nothing reads them)
+        out = torch.empty((b + 1,) + q.shape[1:], dtype=q.dtype, device=q.device)
+        dec = paged_decode_attention(q[g.dec_gather], k_cache, v_cache, self.dec_table,
+                                     self.dec_num_pages, self.dec_last_len, g.scale)
+        out.index_copy_(0, g.dec_scatter, dec)
         paged_prefill_attention(q, k_cache, v_cache, self.table, g.q_begin, g.q_end,
-                                g.starts, g.block_seq[:g.grid(self.b)],
-                                g.block_q0[:g.grid(self.b)], g.scale, g.block_m, out=out,
-                                num_blocks=g.num_blocks)
-        return out
+                                g.starts, g.block_seq[:g.grid(b)], g.block_q0[:g.grid(b)],
+                                g.scale, g.block_m, out=out, num_blocks=g.num_blocks)
+        return out[:b]
 
 
 class MixedStepGraphs:
@@ -76,10 +92,13 @@ class MixedStepGraphs:
         n, s, dev = self.buckets[-1], max_seqs, runner.device
         mb = self.grid(n)
         # int64 inputs in one buffer (one host-to-device copy a step): token ids [n],
-        # positions [n], batch rows [n], each chunk's batch row [S], the sampled rows [S]
-        self._i64 = torch.zeros(3 * n + 2 * s, dtype=torch.long, device=dev)
-        self.input_ids, self.positions, self.rows, self.seq_rows, self.sample_idx = \
-            torch.split(self._i64, [n, n, n, s, s])
+        # positions [n], batch rows [n]; [S] each: the prompt chunks' batch rows, the sampled
+        # rows; per decode lane its row in the batch (unused: 0), where its output goes
+        # (unused: row b, dropped), its batch row (unused: the scratch row) and position
+        self._i64 = torch.zeros(3 * n + 6 * s, dtype=torch.long, device=dev)
+        (self.input_ids, self.positions, self.rows, self.seq_rows, self.sample_idx,
+         self.dec_gather, self.dec_scatter, self.dec_rows, self.dec_pos) = \
+            torch.split(self._i64, [n, n, n, s, s, s, s, s, s])
         # int32 attention metadata in one buffer: q_begin, q_end, starts [S], block_seq,
         # block_q0 [grid(n)], the live block count [1]
         self._i32 = torch.zeros(3 * s + 2 * mb + 1, dtype=torch.int32, device=dev)
@@ -120,12 +139,15 @@ class MixedStepGraphs:
                         and (c.is_decode or row_params[c.row].prompt_logprobs is None)
                         for c in chunks))
 
-    def _idle(self, h64: torch.Tensor, h32: torch.Tensor) -> None:
-        """Staging at its idle state: no chunk, no live block, every row on the scratch row,
-        sampled rows 0 (the unused ones are gathered and dropped)."""
-        n = self.max_tokens
+    def _idle(self, h64: torch.Tensor, h32: torch.Tensor, b: int) -> None:
+        """Staging at its idle state for bucket b: no chunk, no live block, every row and lane
+        on the scratch row, sampled rows 0 (the unused ones are gathered and dropped), decode
+        lanes writing row b."""
+        n, s = self.max_tokens, self.max_seqs
         h64.zero_()
-        h64[2 * n:3 * n + self.max_seqs] = self.scratch_row  # rows, seq_rows
+        h64[2 * n:3 * n + s] = self.scratch_row  # rows, seq_rows
+        h64[3 * n + 3 * s:3 * n + 4 * s] = b  # dec_scatter
+        h64[3 * n + 4 * s:3 * n + 5 * s] = self.scratch_row  # dec_rows
         h32.zero_()
 
     # ---- the captured forward -------------------------------------------------------------
@@ -148,7 +170,7 @@ class MixedStepGraphs:
         """Capture every bucket's graph, largest first (later graphs reuse the pool's blocks),
         with every chunk on the scratch row and no live block. A no-op without `capture`."""
         h64, h32, _ = self._staging[0]
-        self._idle(h64, h32)
+        self._idle(h64, h32, self.max_tokens)
         self._i64.copy_(h64)
         self._i32.copy_(h32)
         if self.capture_graphs:
@@ -167,24 +189,35 @@ class MixedStepGraphs:
             raise ValueError(f"a step of {t} tokens in {len(chunks)} chunks does not fit the "
                              f"mixed-step graphs ({self.max_tokens} tokens, {self.max_seqs})")
         n, s = self.max_tokens, self.max_seqs
-        lens = [c.num_tokens for c in chunks]
-        seq, q0 = plan_blocks(lens, self.block_m, offsets)
+        nd = sum(1 for c in chunks if c.is_decode)  # decode rows come first
+        prompt, p_off = chunks[nd:], offsets[nd:]
         sampled = [off + c.num_tokens - 1 for c, off in zip(chunks, offsets) if c.sample]
         h64, h32, copied = self._staging[self._turn]
         if copied is not None:
             copied.synchronize()  # issued two steps ago: complete
-        self._idle(h64, h32)
-        h64[3 * n:3 * n + len(chunks)] = torch.tensor([c.row for c in chunks])
-        h64[3 * n + s:3 * n + s + len(sampled)] = torch.tensor(sampled, dtype=torch.long)
-        mb = self.grid(n)
-        h32[0:len(chunks)] = torch.from_numpy(np.asarray(offsets, dtype=np.int32))
-        h32[s:s + len(chunks)] = torch.from_numpy(np.asarray(offsets, dtype=np.int32)
-                                                  + np.asarray(lens, dtype=np.int32))
-        h32[2 * s:2 * s + len(chunks)] = torch.tensor([c.start for c in chunks],
-                                                       dtype=torch.int32)
-        h32[3 * s:3 * s + len(seq)] = torch.from_numpy(seq)
-        h32[3 * s + mb:3 * s + mb + len(q0)] = torch.from_numpy(q0)
-        h32[3 * s + 2 * mb] = len(seq)
+        self._idle(h64, h32, b)
+        base = 3 * n
+        h64[base + s:base + s + len(sampled)] = torch.tensor(sampled, dtype=torch.long)
+        if nd:
+            lanes = torch.tensor([offsets[:nd], [c.row for c in chunks[:nd]],
+                                  [c.start for c in chunks[:nd]]], dtype=torch.long)
+            h64[base + 2 * s:base + 2 * s + nd] = lanes[0]  # dec_gather
+            h64[base + 3 * s:base + 3 * s + nd] = lanes[0]  # dec_scatter
+            h64[base + 4 * s:base + 4 * s + nd] = lanes[1]  # dec_rows
+            h64[base + 5 * s:base + 5 * s + nd] = lanes[2]  # dec_pos
+        if prompt:
+            m = len(prompt)
+            lens = np.asarray([c.num_tokens for c in prompt], dtype=np.int32)
+            begin = np.asarray(p_off, dtype=np.int32)
+            seq, q0 = plan_blocks(lens, self.block_m, begin)
+            mb = self.grid(n)
+            h64[base:base + m] = torch.tensor([c.row for c in prompt])  # seq_rows
+            h32[0:m] = torch.from_numpy(begin)
+            h32[s:s + m] = torch.from_numpy(begin + lens)
+            h32[2 * s:2 * s + m] = torch.tensor([c.start for c in prompt], dtype=torch.int32)
+            h32[3 * s:3 * s + len(seq)] = torch.from_numpy(seq)
+            h32[3 * s + mb:3 * s + mb + len(q0)] = torch.from_numpy(q0)
+            h32[3 * s + 2 * mb] = len(seq)
         # the scalars staged first (non-blocking from pinned memory), then the step's device
         # tensors (ids may hold the last step's tokens, filled on the device: async scheduling)
         self._i64.copy_(h64, non_blocking=True)

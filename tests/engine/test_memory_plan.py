@@ -290,7 +290,7 @@ def test_whole_step_graphs_are_counted(gpu, caplog):
     extra = piecewise_pool_bytes(full) - piecewise_pool_bytes(pw)
     assert full.memory_plan.graph_pool - pw.memory_plan.graph_pool == extra
     width = -(-32768 // full.cache.page_size)  # pages a row can hold
-    tables, logits = 64 * 8 * width * 4, 64 * 128256 * (2 + 8)
+    tables, logits = 2 * 64 * 8 * width * 4, 64 * 128256 * (2 + 8)
     assert extra >= tables + logits
     with caplog.at_level("WARNING", logger="sparseserve"):
         sparse = EngineArgs(cudagraph_mode="FULL", preset="sparse", **kw).create_engine_config()[0]
