@@ -33,6 +33,38 @@ ROWS_PER_PROGRAM = 128  # query rows (tokens x group heads) per program on the G
 
 
 @triton.jit
+def _attend_tile(q, m_i, l_i, acc, j0, last, pos, pt_row, k_ptr, v_ptr, qk_scale,
+                 stride_kp, stride_kt, stride_vp, stride_vt, offs_n, offs_d, d_ok,
+                 PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
+    """One BLOCK_N-token tile of keys [j0, j0 + BLOCK_N) into the online softmax (m, l, acc);
+    CAUSAL: the tile may hold keys past a row's position or past `last` (masked)."""
+    key = j0 + offs_n                                                           # [BLOCK_N]
+    entry = j0 // PAGE_SIZE + offs_n // PAGE_SIZE
+    tok = offs_n % PAGE_SIZE
+    if CAUSAL:
+        key_ok = key <= last
+        page = tl.load(pt_row + entry, mask=key_ok, other=0).to(tl.int64)
+        ld = key_ok[:, None] & d_ok[None, :]
+    else:
+        page = tl.load(pt_row + entry).to(tl.int64)
+        ld = d_ok[None, :] & (key[:, None] >= 0)
+    k = tl.load(k_ptr + page[:, None] * stride_kp + tok[:, None] * stride_kt + offs_d[None, :],
+                mask=ld, other=0.0)                                             # [BLOCK_N, BLOCK_D]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale        # [ROWS, BLOCK_N]
+    if CAUSAL:
+        s = tl.where(key[None, :] <= pos[:, None], s, float("-inf"))
+    # m stays finite: the first tile holds key 0, which every row sees
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_ptr + page[:, None] * stride_vp + tok[:, None] * stride_vt + offs_d[None, :],
+                mask=ld, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, pt_ptr, qb_ptr, qe_ptr, st_ptr, bseq_ptr, bq0_ptr,
     nblk_ptr,                    # [1] int32 blocks in use (CHECK_BLOCKS: a grid sized for the most)
@@ -50,7 +82,6 @@ def _paged_prefill_kernel(
         if blk >= tl.load(nblk_ptr):
             return
     ROWS: tl.constexpr = BLOCK_M * GP
-    PAGES_PER_ITER: tl.constexpr = BLOCK_N // PAGE_SIZE
 
     seq = tl.load(bseq_ptr + blk)
     q0 = tl.load(bq0_ptr + blk)                  # first query token of this block
@@ -71,30 +102,22 @@ def _paged_prefill_kernel(
     q = tl.load(q_ptr + tok64[:, None] * stride_qt + (h * G + g)[:, None] * stride_qh
                 + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    last = tl.minimum(q_end, q0 + BLOCK_M) - 1 - q_begin + start               # block's last position
+    first = start + q0 - q_begin                                               # block's first position
+    last = tl.minimum(q_end, q0 + BLOCK_M) - 1 - q_begin + start               # and its last
     pt_row = pt_ptr + seq.to(tl.int64) * stride_pts + h * stride_pth
-    slot = offs_n // PAGE_SIZE
-    tok = offs_n % PAGE_SIZE
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    for j0 in range(0, last + 1, BLOCK_N):
-        key = j0 + offs_n                                                       # [BLOCK_N]
-        key_ok = key <= last
-        page = tl.load(pt_row + (j0 // PAGE_SIZE + slot), mask=key_ok, other=0).to(tl.int64)
-        ld = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + page[:, None] * stride_kp + tok[:, None] * stride_kt + offs_d[None, :],
-                    mask=ld, other=0.0)                                         # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale    # [ROWS, BLOCK_N]
-        s = tl.where(key[None, :] <= pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))   # finite: key j0 <= every row's position
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + page[:, None] * stride_vp + tok[:, None] * stride_vt + offs_d[None, :],
-                    mask=ld, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # tiles wholly before the block's first position: every row sees every key, no masks
+    split = (first // BLOCK_N) * BLOCK_N
+    for j0 in range(0, split, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, j0, last, pos, pt_row, k_ptr, v_ptr,
+                                     qk_scale, stride_kp, stride_kt, stride_vp, stride_vt,
+                                     offs_n, offs_d, d_ok, PAGE_SIZE, DOT_PRECISION, False)
+    for j0 in range(split, last + 1, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, j0, last, pos, pt_row, k_ptr, v_ptr,
+                                     qk_scale, stride_kp, stride_kt, stride_vp, stride_vt,
+                                     offs_n, offs_d, d_ok, PAGE_SIZE, DOT_PRECISION, True)
     o = acc / l_i[:, None]
     tl.store(o_ptr + tok64[:, None] * stride_ot + (h * G + g)[:, None] * stride_oh + offs_d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
