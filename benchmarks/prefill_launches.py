@@ -5,7 +5,7 @@ hybrid step's host time once the attention-free pieces are captured (issue 12, i
 A tiny dummy model (benchmarks/common.py's smoke config) gets a prompt of `--prompt` tokens;
 the step that runs its first chunk (`--chunk` tokens, dense: chunked prefill from position 0
 on the whole-prompt cuDNN path, here its MATH stand-in) or, with `--continue`, the next chunk
-(a prefix in the cache: flash over the gathered prefix) is counted inside the forward
+(a prefix in the cache: the paged prefill kernel over its pages) is counted inside the forward
 context's attention (in a hybrid step the decode rows replay their own graph first, so only
 the prefill rows' attention runs eagerly; `--batch` adds decode rows to this eager count),
 with the GPU's code paths forced on CPU tensors (decode_launches.py's counter: Triton
@@ -102,6 +102,8 @@ def main() -> None:
     from sparseserve.worker.forward_context import ForwardContext
     from sparseserve.worker.offload_context import OffloadForwardContext
 
+    # chunks continuing a prefix take the GPU's paged prefill kernel (kernels/paged_prefill.py)
+    ForwardContext.paged_prefill_kernel = True
     with tempfile.TemporaryDirectory() as tmp:
         llm = build(tmp, args)
         eng = llm.engine
