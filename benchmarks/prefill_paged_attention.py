@@ -3,7 +3,8 @@
 replaced (gather the sequence's pages, repeat K/V per GQA group, SDPA with a lower-right causal
 mask — forward_context.py before the kernel), one layer, both timed in the same process.
 
-Per (heads, prefix): GPU ms of each path (CUDA events, median of `--reps` after warm-up),
+Per (heads, prefix): GPU ms of each path (CUDA events, median of `--reps` after warm-up; at
+prefix 0 also the whole-prompt cuDNN path the eager engine uses, prefill_attention.py),
 TFLOP/s (causal attention FLOPs 4 x Hq x D x sum of keys per query), the worst difference
 between the two outputs, and the kernel's launch configurations (`--configs`) side by side.
 
@@ -84,6 +85,14 @@ def run_case(hq: int, hkv: int, prefix: int, chunk: int, a, device, dtype) -> di
     old = gpu_ms(lambda: torch_path(q, k_cache, v_cache, pages.long(), prefix, scale), a.reps)
     rec = {"hq": hq, "hkv": hkv, "prefix": prefix, "chunk": chunk, "torch_ms": old,
            "torch_tflops": flops / old / 1e9, "configs": []}
+    if prefix == 0 and torch.cuda.is_available():  # a whole prompt: the engine's cuDNN plans
+        from sparseserve.worker.prefill_attention import PaddedCausalAttention
+        cudnn = PaddedCausalAttention.for_cuda(hq, hkv, d, scale, dtype, torch.device(device),
+                                               chunk)
+        if cudnn is not None:
+            kc = k_cache[pages.long()].reshape(hkv, -1, d)[:, :chunk].transpose(0, 1).contiguous()
+            vc = v_cache[pages.long()].reshape(hkv, -1, d)[:, :chunk].transpose(0, 1).contiguous()
+            rec["cudnn_ms"] = gpu_ms(lambda: cudnn(q, kc, vc), a.reps)
     for cfg in a.configs.split(","):
         rows, warps, stages = (int(x) for x in cfg.split("/"))
         gp = 1 << max(0, (hq // hkv - 1).bit_length())
@@ -112,7 +121,8 @@ def run_case(hq: int, hkv: int, prefix: int, chunk: int, a, device, dtype) -> di
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--prefixes", default="2048,8192,32768,131072")
+    p.add_argument("--prefixes", default="0,2048,8192,32768,131072",
+                   help="0: a whole prompt (also timed on the engine's padded cuDNN plans)")
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--heads", default="32/8,32/32", help="Hq/Hkv pairs (Llama-3-8B, LWM-7B)")
     p.add_argument("--head-dim", type=int, default=128)
@@ -137,9 +147,10 @@ def main(argv=None) -> int:
             res["cases"].append(run_case(hq, hkv, prefix, a.chunk, a, device, dtype))
             C.write_json(a.out, res)
             C.free_device_memory()
-    print(C.table(["Hq/Hkv", "prefix", "chunk", "torch ms", "kernel ms (best)", "config",
-                   "speed-up", "TFLOP/s", "max |diff|"],
+    print(C.table(["Hq/Hkv", "prefix", "chunk", "torch ms", "cuDNN ms", "kernel ms (best)",
+                   "config", "speed-up", "TFLOP/s", "max |diff|"],
                   [[f"{r['hq']}/{r['hkv']}", r["prefix"], r["chunk"], C.fmt(r["torch_ms"], 3),
+                    C.fmt(r.get("cudnn_ms"), 3),
                     C.fmt(r["best"]["ms"], 3) if r["best"] else "-",
                     "{rows}/{num_warps}/{num_stages}".format(**r["best"]) if r["best"] else "-",
                     C.fmt(r["torch_ms"] / r["best"]["ms"], 2) if r["best"] else "-",
