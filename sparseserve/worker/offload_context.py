@@ -265,30 +265,35 @@ class OffloadForwardContext(ForwardContext):
         ps = self.kv.page_size
         total = p.start + (p.q_end - p.q_start)
         nb = -(-total // ps)
-        pages = self.pages.row_range(p.row, 0, nb)  # [Hkv, nb] host pages
-        hkv, dev = pages.shape[0], pages.device
+        # all of it from the host mirror of the page directory (the saver's destinations come
+        # from it too), copied to the device in one launch: no per-tensor arange / full /
+        # index ops at the step's first layer
+        pages = self.pages.host_pages(np.full(nb, p.row), np.arange(nb)).T  # [Hkv, nb] int64
+        hkv = pages.shape[0]
         first = nb - min(p.resident_pages, nb) if p.slot_free else 0
-        plan = plans[p.q_start] = {"nb": nb, "total": total, "first": first, "pages": pages}
+        plan = plans[p.q_start] = {"nb": nb, "total": total, "first": first}
+        p64: dict[str, np.ndarray] = {}  # int64 tensors
+        p32: dict[str, np.ndarray] = {}  # int32 tensors
         if first < nb:
             t0 = max(p.start, first * ps)  # the chunk's first token stored
-            pos = torch.arange(t0, total, device=dev)
-            plan.update(
-                sel=pages[:, first:].unsqueeze(0).contiguous(),
-                num=torch.full((1, hkv), nb - first, dtype=torch.int32, device=dev),
-                # entries from here are pages with no data yet (the chunk starts them)
-                fresh_from=torch.full((1, hkv), max(0, -(-p.start // ps) - first),
-                                      dtype=torch.int32, device=dev),
-                row=torch.full((1,), p.row, dtype=torch.long, device=dev),
-                tok_entry=torch.div(pos, ps, rounding_mode="floor") - first,
-                tok_off=pos % ps, rows=slice(p.q_start + t0 - p.start, p.q_end))
+            pos = np.arange(t0, total, dtype=np.int64)
+            p32["sel"] = pages[:, first:].reshape(1, hkv, nb - first)
+            p32["num"] = np.full((1, hkv), nb - first)
+            # entries from here are pages with no data yet (the chunk starts them)
+            p32["fresh_from"] = np.full((1, hkv), max(0, -(-p.start // ps) - first))
+            p64["row"] = np.full((1,), p.row)
+            p64["tok_entry"] = pos // ps - first
+            p64["tok_off"] = pos % ps
+            plan["rows"] = slice(p.q_start + t0 - p.start, p.q_end)
         b0, b1 = p.start // ps, total // ps
         plan.update(b0=b0, b1=b1)
         if b1 > b0:
             nf = b1 - b0
-            read = torch.arange(hkv * nf, device=dev, dtype=torch.int32)
-            plan.update(host_ids=pages[:, b0:b1].reshape(-1).long(), read=read,
-                        ntok=torch.full_like(read, ps),
-                        fill_pos=torch.arange(b0, b1, device=dev) * ps + ps - 1 - p.start)
+            p64["host_ids"] = pages[:, b0:b1].reshape(-1)
+            p32["read"] = np.arange(hkv * nf)
+            p32["ntok"] = np.full((hkv * nf,), ps)
+            p64["fill_pos"] = np.arange(b0, b1) * ps + ps - 1 - p.start
+        plan.update(_pack_to_device(p64, p32, self.cache.page_of.device))
         return plan
 
     def _map_and_store(self, layer: int, p: PrefillSeq, k: torch.Tensor, v: torch.Tensor,
@@ -353,4 +358,28 @@ def _zeros_like_rows(tensors: dict[str, torch.Tensor], n: int) -> dict[str, torc
         flat = torch.zeros(sum(sizes), dtype=dtype, device=tensors[names[0]].device)
         for m, part in zip(names, flat.split(sizes)):
             out[m] = part.view(n, tensors[m].shape[1])
+    return out
+
+
+def _pack_to_device(p64: dict[str, np.ndarray], p32: dict[str, np.ndarray],
+                    device: torch.device) -> dict[str, torch.Tensor]:
+    """Host arrays as device tensors of their shapes (p64: int64, p32: int32) through one
+    host-to-device copy: one int32 buffer, the int64 ones first (8-byte aligned) and viewed
+    back as int64."""
+    a64 = [np.ascontiguousarray(a, dtype=np.int64).reshape(-1) for a in p64.values()]
+    a32 = [np.ascontiguousarray(a, dtype=np.int32).reshape(-1) for a in p32.values()]
+    n64 = sum(a.size for a in a64)
+    host = np.concatenate([np.concatenate(a64 or [np.zeros(0, np.int64)]).view(np.int32),
+                           *a32, np.zeros(1, np.int32)])
+    buf = to_device(host, torch.int32, device)
+    out: dict[str, torch.Tensor] = {}
+    d64 = buf[:2 * n64].view(torch.int64)
+    o = 0
+    for (name, a) in p64.items():
+        out[name] = d64[o:o + a.size].view(a.shape)
+        o += a.size
+    o = 2 * n64
+    for (name, a) in p32.items():
+        out[name] = buf[o:o + a.size].view(a.shape)
+        o += a.size
     return out
