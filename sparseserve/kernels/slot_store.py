@@ -105,14 +105,17 @@ def torch_store_decode_tokens(slots, num_sel, offsets, k, v, dev_k, dev_v,
 
 
 @triton.jit(do_not_specialize=["T"])
-def _store_rows_kernel(slots_ptr, offs_ptr, k_ptr, v_ptr, dk_ptr, dv_ptr, T, S,
+def _store_rows_kernel(slots_ptr, offs_ptr, ent_ptr, k_ptr, v_ptr, dk_ptr, dv_ptr, T, S,
                        stride_st, stride_sh, stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_ds, stride_dt, D: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
+                       BLOCK_D: tl.constexpr, GATHER: tl.constexpr):
     h = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
-    slot = tl.load(slots_ptr + h * stride_sh + t * stride_st, mask=tm, other=0).to(tl.int64)
+    col = t
+    if GATHER:  # the token's slot is its page entry's: slots[h, entries[t]]
+        col = tl.load(ent_ptr + t, mask=tm, other=0)
+    slot = tl.load(slots_ptr + h * stride_sh + col * stride_st, mask=tm, other=0).to(tl.int64)
     off = tl.load(offs_ptr + t, mask=tm, other=0).to(tl.int64)
     tl.device_assert(~tm | ((slot >= 0) & (slot < S)), "store_token_rows: slot out of range")
     d = tl.arange(0, BLOCK_D)
@@ -127,29 +130,41 @@ def _store_rows_kernel(slots_ptr, offs_ptr, k_ptr, v_ptr, dk_ptr, dv_ptr, T, S,
 
 def store_token_rows(tok_slots: torch.Tensor, tok_off: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.Tensor, *,
+                     tok_entry: torch.Tensor | None = None,
                      backend: str | None = None) -> None:
     """dev_k/dev_v[tok_slots[h, t], tok_off[t]] = k/v[t, h] for every t < T, h < Hkv.
 
     tok_slots [Hkv, T] int (any strides), tok_off [T] int (contiguous), k/v [T, Hkv, D]
     (last dim contiguous, any row strides: e.g. column slices of the qkv output), dev_k/dev_v
     [S, page_size, D] (contiguous). Distinct (slot, offset) pairs. Triton on CUDA tensors,
-    the torch version otherwise (``backend`` as in kernels/)."""
+    the torch version otherwise (``backend`` as in kernels/).
+    tok_entry [T] int (contiguous): tok_slots is then [Hkv, E], the slots of the chunk's page
+    entries, and token t's slot is tok_slots[h, tok_entry[t]] (the gather done in the kernel,
+    not by an index launch before it)."""
     from . import resolve_backend
     if resolve_backend(backend, k) == "torch":
+        if tok_entry is not None:
+            tok_slots = tok_slots[:, tok_entry]
         return torch_store_token_rows(tok_slots, tok_off, k, v, dev_k, dev_v)
     T, Hkv, D = k.shape
     if T == 0:
         return None
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and dev_k.is_contiguous()
-    assert dev_v.is_contiguous() and tok_slots.shape == (Hkv, T) and tok_off.shape == (T,)
+    assert dev_v.is_contiguous() and tok_off.shape == (T,)
+    assert tok_slots.shape[0] == Hkv and (tok_entry is not None or tok_slots.shape[1] == T)
     tok_off = tok_off.contiguous()
+    if tok_entry is not None:
+        assert tok_entry.shape == (T,)
+        tok_entry = tok_entry.contiguous()
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_T = max(1, min(64, 8192 // BLOCK_D))  # a [BLOCK_T, D] tile of 16-32 KB
     grid = (triton.cdiv(T, BLOCK_T), Hkv)
-    _store_rows_kernel[grid](tok_slots, tok_off, k, v, dev_k, dev_v, T, dev_k.shape[0],
+    _store_rows_kernel[grid](tok_slots, tok_off, tok_off if tok_entry is None else tok_entry,
+                             k, v, dev_k, dev_v, T, dev_k.shape[0],
                              tok_slots.stride(1), tok_slots.stride(0), k.stride(0),
                              k.stride(1), v.stride(0), v.stride(1), dev_k.stride(0),
-                             dev_k.stride(1), D=D, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
+                             dev_k.stride(1), D=D, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+                             GATHER=tok_entry is not None)
     return None
 
 

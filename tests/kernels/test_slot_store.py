@@ -96,3 +96,12 @@ def test_store_token_rows(T, Hkv, D, dtype):
         fn(page_slots.to(DEVICE)[:, (pos // ps).to(DEVICE)], tok_off.to(DEVICE),
            qkv.to(DEVICE)[:, Hkv:2 * Hkv], qkv.to(DEVICE)[:, 2 * Hkv:], dk, dv)
         assert torch.equal(dk.cpu(), ref_k) and torch.equal(dv.cpu(), ref_v)
+    # the gather in the kernel: the page entries' slots [Hkv, nb] (column-major strides) and
+    # each token's entry
+    ents = (pos // ps).to(DEVICE)
+    for be in ("triton", "torch"):
+        dk, dv = base_k.clone().to(DEVICE), base_v.clone().to(DEVICE)
+        store_token_rows(page_slots.to(DEVICE).t().contiguous().t(), tok_off.to(DEVICE),
+                         qkv.to(DEVICE)[:, Hkv:2 * Hkv], qkv.to(DEVICE)[:, 2 * Hkv:], dk, dv,
+                         tok_entry=ents, backend=be)
+        assert torch.equal(dk.cpu(), ref_k) and torch.equal(dv.cpu(), ref_v)
