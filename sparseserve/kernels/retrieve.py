@@ -272,7 +272,7 @@ def category_lru_order(last_access, owner_row, row_quota, step, num_buckets: int
 def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota, step,
                    counters, table_fill, scratch_page: int, scratch_slot: int,
                    num_buckets: int, fresh_from=None, victim_order=None, *, fresh_last=None,
-                   stamps=None, lru_scratch=None, rebuild: bool = True):
+                   stamps=None, lru_scratch=None, rebuild: bool = True, touch=None):
     """One layer's retrieve on the GPU (see module doc).
 
     pages [B, Hkv, K] int32/int64 selected host pages; num_sel [B, Hkv] int32 valid entries;
@@ -292,6 +292,9 @@ def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota,
     victim_order: None for category LRU with `num_buckets` age buckets (fused here), or the
     policy's own order f(last [S], owner [S], row_quota, step) -> [S] slots, first evicted
     first (the caller's policy module; it sees the hits already touched).
+    touch: None, or [] int64 on the device: what the mapped slots' last_access is set to
+    instead of `step` (hits and misses alike; e.g. a prefill's pending-save mark, so no mark
+    launch follows). The victim order is the same: a value >= step is age 0 either way.
     rebuild: False leaves the residency index's rebuild-if-full to the caller (the decode
     step does every layer's at once after its layers; safe because one call inserts at most
     S entries into a table of >= 4 S kept at most half full between rebuilds).
@@ -316,7 +319,8 @@ def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota,
     miss = torch.empty(N, dtype=torch.int32, device=dev)
     mcount = torch.empty(grid[0], dtype=torch.int32, device=dev)  # misses per probe program
     mask = table.shape[0] - 1
-    _probe_kernel[grid](pages, num_sel, fresh, table, page_of, last, step, slots, miss,
+    touch = step if touch is None else touch  # written into last_access by probe and assign
+    _probe_kernel[grid](pages, num_sel, fresh, table, page_of, last, touch, slots, miss,
                         mcount, counters, st, sstep, N, K, Hkv * K, mask, scratch_page,
                         scratch_slot, FRESH=mode, HAS_STAMPS=has_stamps, BLOCK=ENTRY_BLOCK)
     zero = lru_scratch
@@ -330,7 +334,7 @@ def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota,
     load_dst = torch.empty(N, dtype=torch.int64, device=dev)
     num_loads = torch.empty(1, dtype=torch.int32, device=dev)
     _assign_kernel[grid](pages, num_sel, miss, mcount, order, rows.contiguous(), fresh,
-                         page_of, last, owner, step, slots, load_src, load_dst, num_loads,
+                         page_of, last, owner, touch, slots, load_src, load_dst, num_loads,
                          table, table_fill, miss if zero is None else zero, N, K, Hkv * K, S,
                          mask, 0 if zero is None else zero.shape[0], FRESH=mode,
                          BLOCK=ENTRY_BLOCK)

@@ -128,6 +128,10 @@ class TwoTierCache(CacheIntrospection):
         # host steps whose prefill marked slots pending (begin_step ages them two steps on;
         # decode-only steps mark none, and their begin_step skips the pass over every slot)
         self._marked_steps: set[int] = set()
+        # the pending-save marks of either parity, on the device (retrieve's mark_pending
+        # writes them from its kernels: no mark launch per layer)
+        self._pending_marks = torch.tensor([PENDING_SAVE, PENDING_SAVE + 1], dtype=torch.long,
+                                           device=device)
         self._step_tickets: dict[int, int] = {}  # step -> its last save ticket
         # bytes of decode write-through (GPU-direct); the saver counts the rest
         self.direct_bytes_saved = torch.zeros((), dtype=torch.long, device=device)
@@ -294,7 +298,7 @@ class TwoTierCache(CacheIntrospection):
     def retrieve(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor,
                  rows: torch.Tensor, fresh_from: torch.Tensor | None = None,
                  prefill: bool = False, fresh_last: torch.Tensor | None = None,
-                 defer_rebuild: bool = False) -> torch.Tensor:
+                 defer_rebuild: bool = False, mark_pending: bool = False) -> torch.Tensor:
         """Map selected host pages to device slots, loading the misses.
 
         pages [B, Hkv, K] host page ids; num_sel [B, Hkv] int (valid entries of each row of
@@ -307,14 +311,20 @@ class TwoTierCache(CacheIntrospection):
         `prefill`: count hits and misses apart from decode's (a prefill mapping its own pages)
         and stamp no working set. `defer_rebuild`: leave the residency index's rebuild-if-full
         to finish_decode, which the caller runs after the step's layers (one call per layer
-        and step in between: see fused_retrieve). On a GPU the bookkeeping (stamps included) is fused
+        and step in between: see fused_retrieve). `mark_pending`: the mapped slots are
+        then marked pending their save (mark_saved; on the fused path written by the retrieve's
+        own kernels instead of the step, no launch of its own). On a GPU the bookkeeping (stamps included) is fused
         (kernels/retrieve.py); the torch version below is the CPU path and the reference."""
         counter = self.prefill_hit_miss if prefill else self.hit_miss
         if self.fused:  # the fused kernels take num_sel and stamp themselves
             stamps = None if prefill else (self.stamps.last_selected[layer], self.stamps.step)
+            touch = None
+            if mark_pending:
+                touch = self._pending_marks[self._host_step % 2]
+                self._marked_steps.add(self._host_step)
             return self._retrieve_fused(layer, pages, num_sel, rows, fresh_from, counter,
                                         fresh_last=fresh_last, stamps=stamps,
-                                        defer_rebuild=defer_rebuild)
+                                        defer_rebuild=defer_rebuild, touch=touch)
         K = pages.shape[2]
         k = torch.arange(K, device=pages.device).view(1, 1, K)
         valid = k < num_sel.unsqueeze(-1)  # [B, Hkv, K]
@@ -325,15 +335,20 @@ class TwoTierCache(CacheIntrospection):
             fresh = k >= fresh_from.unsqueeze(-1)
         elif fresh_last is not None:
             fresh = (k >= (num_sel.long() - 1).unsqueeze(-1)) & (fresh_last != 0).view(-1, 1, 1)
-        return self._retrieve_torch(layer, pages, valid, rows, fresh, counter)
+        slots = self._retrieve_torch(layer, pages, valid, rows, fresh, counter)
+        if mark_pending:
+            self.mark_saved(layer, slots.long())
+        return slots
 
     def _retrieve_fused(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor,
                         rows: torch.Tensor, fresh_from: torch.Tensor | None,
                         counter: torch.Tensor, fresh_last: torch.Tensor | None = None,
                         stamps: tuple[torch.Tensor, torch.Tensor] | None = None,
-                        defer_rebuild: bool = False) -> torch.Tensor:
+                        defer_rebuild: bool = False,
+                        touch: torch.Tensor | None = None) -> torch.Tensor:
         """retrieve with the fused kernels (GPU; CPU tensors run them in the interpreter).
-        stamps: (last_selected row of the layer, stamp step) for a decode selection."""
+        stamps: (last_selected row of the layer, stamp step) for a decode selection; touch:
+        fused_retrieve's."""
         from sparseserve.kernels.retrieve import fused_retrieve
         # category LRU is fused into the kernels; other policies give their own order
         order = None if self.policy == "category-lru" else functools.partial(
@@ -344,7 +359,7 @@ class TwoTierCache(CacheIntrospection):
             counter, self.res_fill[layer], self.scratch_page, self.scratch_slot,
             NUM_BUCKETS, fresh_from, victim_order=order, fresh_last=fresh_last,
             stamps=stamps, lru_scratch=self._lru_scratch[layer],
-            rebuild=not defer_rebuild)
+            rebuild=not defer_rebuild, touch=touch)
         self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
                          self.dev_v[layer], load_src, load_dst, num_live=num_loads)
         return slots

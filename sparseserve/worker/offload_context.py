@@ -310,9 +310,9 @@ class OffloadForwardContext(ForwardContext):
         cache = self.cache
         raw = cache.retrieve(layer, plan["sel"], plan["num"], plan["row"],
                              fresh_from=plan["fresh_from"], prefill=True,
-                             defer_rebuild=self._defer_prefill_rebuild)[0]
+                             defer_rebuild=self._defer_prefill_rebuild,
+                             mark_pending=True)[0]  # the slots marked pending their save
         slots = raw.long()
-        cache.mark_saved(layer, slots)
         rows = plan["rows"]
         # token t's slot is raw[h, tok_entry[t]]: gathered in the store kernel
         store_token_rows(raw, plan["tok_off"], k[rows], v[rows], cache.dev_k[layer],
