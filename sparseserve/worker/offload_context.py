@@ -207,9 +207,9 @@ class OffloadForwardContext(ForwardContext):
             vs = v[p.q_start:p.q_end].transpose(0, 1)
             self._index_prefill(p, q, ks, vs, plan, summaries)
             return self._sdpa(q[p.q_start:p.q_end].transpose(0, 1), ks, vs, 0)
-        slots, s32 = self._map_and_store(layer, p, k, v, plan)
+        slots = self._map_and_store(layer, p, k, v, plan)
         if p.start and (q.is_cuda or self.paged_prefill_kernel):
-            return self._paged_prefill(layer, p, q, slots, plan, summaries, s32)
+            return self._paged_prefill(layer, p, q, slots, plan, summaries)
         if p.start:
             ps, nb, total = self.kv.page_size, plan["nb"], plan["total"]
             hkv = slots.shape[0]
@@ -223,10 +223,9 @@ class OffloadForwardContext(ForwardContext):
         return self._sdpa(q[p.q_start:p.q_end].transpose(0, 1), ks, vs, p.start)
 
     def _paged_prefill(self, layer: int, p: PrefillSeq, q: torch.Tensor, slots: torch.Tensor,
-                       plan: dict, summaries: LayerSummaries,
-                       s32: torch.Tensor | None = None) -> torch.Tensor:
-        """A chunk continuing a prefix whose pages are all mapped (`slots` [Hkv, nb]; s32 the
-        same as int32 if the retrieve gave them so: no conversion launch): it
+                       plan: dict, summaries: LayerSummaries) -> torch.Tensor:
+        """A chunk continuing a prefix whose pages are all mapped (`slots` [Hkv, nb], int32
+        as the fused retrieve gives them: no conversion launch): it
         attends in place from the device slots (kernels/paged_prefill.py, no gathered and
         repeated copy of the prefix) and the pages it completes are indexed from their slots.
         -> [n, Hq, D]."""
@@ -247,9 +246,7 @@ class OffloadForwardContext(ForwardContext):
             meta = plan_metadata([qc.shape[0]], [p.start], bm)
             plan["paged"] = (bm, [to_device(meta[k], None, q.device) for k in METADATA])
         bm, meta = plan["paged"]
-        if s32 is None:
-            s32 = slots.to(torch.int32)
-        return paged_prefill_attention(qc, dev_k, dev_v, s32[None], *meta,
+        return paged_prefill_attention(qc, dev_k, dev_v, slots.to(torch.int32)[None], *meta,
                                        self.scale, bm)
 
     def _prefill_plan(self, p: PrefillSeq) -> dict:
@@ -305,19 +302,18 @@ class OffloadForwardContext(ForwardContext):
         """Map the request's pages [first, nb) of every KV head to device slots (pages the
         chunk starts get a slot without a load; an earlier page evicted since is loaded back),
         store the chunk's K/V of those pages there and mark them pending their save.
-        Returns the slots [Hkv, nb - first] (int64) and the retrieve's own int32 slots
-        (fused path; None otherwise)."""
+        Returns the slots [Hkv, nb - first] as the retrieve gave them (int32 on the fused
+        path; no conversion launch: torch indexes with int32 too)."""
         cache = self.cache
         raw = cache.retrieve(layer, plan["sel"], plan["num"], plan["row"],
                              fresh_from=plan["fresh_from"], prefill=True,
                              defer_rebuild=self._defer_prefill_rebuild,
                              mark_pending=True)[0]  # the slots marked pending their save
-        slots = raw.long()
         rows = plan["rows"]
         # token t's slot is raw[h, tok_entry[t]]: gathered in the store kernel
         store_token_rows(raw, plan["tok_off"], k[rows], v[rows], cache.dev_k[layer],
                          cache.dev_v[layer], tok_entry=plan["tok_entry"])
-        return slots, raw if raw.dtype == torch.int32 else None
+        return raw
 
     def _index_prefill(self, p: PrefillSeq, q: torch.Tensor, ks: torch.Tensor,
                        vs: torch.Tensor, plan: dict, summaries: LayerSummaries) -> None:
