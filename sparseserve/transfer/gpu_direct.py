@@ -147,8 +147,10 @@ class GpuDirectSaver(EventTicketSaver):
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             pages, offs = plan.device_ids(dev)  # copied once per step, on the first layer
             backend = self.backend or "auto"
-            if backend == "auto":
-                backend = "triton" if dev.type == "cuda" else "torch"
+            if backend == "auto":  # Triton on CUDA tensors, torch otherwise (kernels/: the
+                # launch counters force its GPU choice on CPU tensors there)
+                from .. import kernels
+                backend = kernels.resolve_backend(None, a.k)
             if backend == "triton":
                 cap = SIDE_STREAM_MAX_PROGRAMS if side is not None else None
                 gpu_direct_save(hk, hv, a.k, a.v, pages, offs, max_programs=cap)
