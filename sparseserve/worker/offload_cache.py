@@ -298,7 +298,8 @@ class TwoTierCache(CacheIntrospection):
     def retrieve(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor,
                  rows: torch.Tensor, fresh_from: torch.Tensor | None = None,
                  prefill: bool = False, fresh_last: torch.Tensor | None = None,
-                 defer_rebuild: bool = False, mark_pending: bool = False) -> torch.Tensor:
+                 defer_rebuild: bool = False, mark_pending: bool = False,
+                 loads: bool = True) -> torch.Tensor:
         """Map selected host pages to device slots, loading the misses.
 
         pages [B, Hkv, K] host page ids; num_sel [B, Hkv] int (valid entries of each row of
@@ -313,7 +314,9 @@ class TwoTierCache(CacheIntrospection):
         to finish_decode, which the caller runs after the step's layers (one call per layer
         and step in between: see fused_retrieve). `mark_pending`: the mapped slots are
         then marked pending their save (mark_saved; on the fused path written by the retrieve's
-        own kernels instead of the step, no launch of its own). On a GPU the bookkeeping (stamps included) is fused
+        own kernels instead of the step, no launch of its own). `loads=False`: the caller
+        knows nothing can be loaded (every entry is fresh: fresh_from all 0), so the fused
+        path launches no loader (it would find no live load). On a GPU the bookkeeping (stamps included) is fused
         (kernels/retrieve.py); the torch version below is the CPU path and the reference."""
         counter = self.prefill_hit_miss if prefill else self.hit_miss
         if self.fused:  # the fused kernels take num_sel and stamp themselves
@@ -324,7 +327,8 @@ class TwoTierCache(CacheIntrospection):
                 self._marked_steps.add(self._host_step)
             return self._retrieve_fused(layer, pages, num_sel, rows, fresh_from, counter,
                                         fresh_last=fresh_last, stamps=stamps,
-                                        defer_rebuild=defer_rebuild, touch=touch)
+                                        defer_rebuild=defer_rebuild, touch=touch,
+                                        loads=loads)
         K = pages.shape[2]
         k = torch.arange(K, device=pages.device).view(1, 1, K)
         valid = k < num_sel.unsqueeze(-1)  # [B, Hkv, K]
@@ -345,7 +349,8 @@ class TwoTierCache(CacheIntrospection):
                         counter: torch.Tensor, fresh_last: torch.Tensor | None = None,
                         stamps: tuple[torch.Tensor, torch.Tensor] | None = None,
                         defer_rebuild: bool = False,
-                        touch: torch.Tensor | None = None) -> torch.Tensor:
+                        touch: torch.Tensor | None = None,
+                        loads: bool = True) -> torch.Tensor:
         """retrieve with the fused kernels (GPU; CPU tensors run them in the interpreter).
         stamps: (last_selected row of the layer, stamp step) for a decode selection; touch:
         fused_retrieve's."""
@@ -360,8 +365,11 @@ class TwoTierCache(CacheIntrospection):
             NUM_BUCKETS, fresh_from, victim_order=order, fresh_last=fresh_last,
             stamps=stamps, lru_scratch=self._lru_scratch[layer],
             rebuild=not defer_rebuild, touch=touch)
-        self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
-                         self.dev_v[layer], load_src, load_dst, num_live=num_loads)
+        if loads:
+            self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
+                             self.dev_v[layer], load_src, load_dst, num_live=num_loads)
+        else:  # its device counter made as a load would (a decode step may be captured next)
+            self.loader.counter(self.dev_k[layer].device)
         return slots
 
     def _retrieve_torch(self, layer: int, pages: torch.Tensor, valid: torch.Tensor,

@@ -281,7 +281,9 @@ class OffloadForwardContext(ForwardContext):
             p32["sel"] = pages[:, first:].reshape(1, hkv, nb - first)
             p32["num"] = np.full((1, hkv), nb - first)
             # entries from here are pages with no data yet (the chunk starts them)
-            p32["fresh_from"] = np.full((1, hkv), max(0, -(-p.start // ps) - first))
+            fresh_from = max(0, -(-p.start // ps) - first)
+            p32["fresh_from"] = np.full((1, hkv), fresh_from)
+            plan["loads"] = fresh_from > 0  # else every entry is fresh: nothing to load
             p64["row"] = np.full((1,), p.row)
             p64["tok_entry"] = pos // ps - first
             p64["tok_off"] = pos % ps
@@ -308,7 +310,8 @@ class OffloadForwardContext(ForwardContext):
         raw = cache.retrieve(layer, plan["sel"], plan["num"], plan["row"],
                              fresh_from=plan["fresh_from"], prefill=True,
                              defer_rebuild=self._defer_prefill_rebuild,
-                             mark_pending=True)[0]  # the slots marked pending their save
+                             mark_pending=True,  # the slots marked pending their save
+                             loads=plan["loads"])[0]
         rows = plan["rows"]
         # token t's slot is raw[h, tok_entry[t]]: gathered in the store kernel
         store_token_rows(raw, plan["tok_off"], k[rows], v[rows], cache.dev_k[layer],
