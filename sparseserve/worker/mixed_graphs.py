@@ -170,7 +170,9 @@ class MixedStepGraphs:
         """Capture every bucket's graph, largest first (later graphs reuse the pool's blocks),
         with every chunk on the scratch row and no live block. A no-op without `capture`."""
         h64, h32, _ = self._staging[0]
-        self._idle(h64, h32, self.max_tokens)
+        # unused decode lanes write row 0 while capturing: a row every bucket has (a step's
+        # staging points them at its own bucket's dropped row b)
+        self._idle(h64, h32, 0)
         self._i64.copy_(h64)
         self._i32.copy_(h32)
         if self.capture_graphs:

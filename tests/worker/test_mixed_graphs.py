@@ -102,3 +102,20 @@ def test_too_many_chunks_is_an_error(tiny_model_dirs):
     with pytest.raises(ValueError, match="does not fit"):
         mixed.run([object()] * 3, [0, 1, 2], torch.zeros(3, dtype=torch.long),
                   torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long))
+
+
+def test_capture_state_runs_every_bucket(tiny_model_dirs):
+    """The state the graphs are captured in (capture() stages it; the GPU then runs every
+    bucket's forward once eagerly and once under capture) is valid for every bucket: no index
+    out of range (the unused decode lanes' output row must exist in the smallest bucket)."""
+    path, _ = tiny_model_dirs["llama-gqa"]
+    llm = LLM(path, device="cpu", dtype="float32", page_size=16, max_model_len=256,
+              max_num_seqs=4, max_num_batched_tokens=BUDGET, kv_cache_memory_bytes=1 << 24)
+    runner = llm.engine.runner
+    runner.model.fused_ops = True
+    mixed = MixedStepGraphs(runner, token_buckets(BUDGET), 4, capture=False)
+    mixed.capture()
+    with torch.inference_mode():
+        for b in mixed.buckets:
+            mixed._forward(b)
+            assert torch.isfinite(mixed.logits).all()
