@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     p.add_argument("--heads", default="32/8,32/32", help="Hq/Hkv pairs (Llama-3-8B, LWM-7B)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=32)
-    p.add_argument("--configs", default="128/4/2,128/8/2,128/8/3,64/4/2,256/8/2",
+    p.add_argument("--configs", default="64/4/2,64/4/3,64/8/2,128/8/2,32/4/2",
                    help="rows per program / num_warps / num_stages (rows = tokens x group)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreted)")

@@ -29,7 +29,10 @@ patch_triton_interpreter()
 __all__ = ["paged_prefill_attention", "plan_metadata", "plan_blocks", "block_tokens", "METADATA"]
 
 _LOG2E = 1.4426950408889634
-ROWS_PER_PROGRAM = 128  # query rows (tokens x group heads) per program on the GPU
+# query rows (tokens x group heads) per program on the GPU, with 4 warps and 2 stages: the best
+# of 128/4/2, 128/8/2, 64/4/2 on the H200 (docs/results/data/paged_prefill_session17.json,
+# 2,048-token chunk, prefixes 0-128k: Llama-3-8B heads 12.6 vs 15.0 / 26.6 ms at 128k)
+ROWS_PER_PROGRAM = 64
 
 
 @triton.jit
