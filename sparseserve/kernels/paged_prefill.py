@@ -26,7 +26,8 @@ from . import patch_triton_interpreter
 
 patch_triton_interpreter()
 
-__all__ = ["paged_prefill_attention", "plan_metadata", "plan_blocks", "block_tokens", "METADATA"]
+__all__ = ["paged_prefill_attention", "plan_metadata", "plan_blocks", "block_tokens", "METADATA",
+           "warm_up"]
 
 _LOG2E = 1.4426950408889634
 # query rows (tokens x group heads) per program on the GPU, with 4 warps and 2 stages: the best
@@ -67,7 +68,9 @@ def _attend_tile(q, m_i, l_i, acc, j0, last, pos, pt_row, k_ptr, v_ptr, qk_scale
     return m_new, l_i, acc
 
 
-@triton.jit
+# the page table's strides vary with the step's widest chunk: one compiled kernel for all of
+# them (so the start-up warm_up compiles what serving runs)
+@triton.jit(do_not_specialize=["stride_pts", "stride_pth"])
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, pt_ptr, qb_ptr, qe_ptr, st_ptr, bseq_ptr, bq0_ptr,
     nblk_ptr,                    # [1] int32 blocks in use (CHECK_BLOCKS: a grid sized for the most)
@@ -227,3 +230,17 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         CHECK_BLOCKS=num_blocks is not None, num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int,
+            num_kv_heads: int, scale: float) -> None:
+    """Compile the kernel the eager path launches, before serving (a first compile mid-serving
+    costs one request ~0.6 s of TTFT: light8 on the H200, seventeenth session): one one-token
+    chunk at position 0 reading page 0 of these caches (its output is dropped)."""
+    dev, d = k_cache.device, k_cache.shape[-1]
+    bm = block_tokens(num_q_heads, num_kv_heads)
+    q = torch.zeros(1, num_q_heads, d, dtype=k_cache.dtype, device=dev)
+    table = torch.zeros(1, num_kv_heads, 1, dtype=torch.int32, device=dev)
+    meta = plan_metadata([1], [0], bm)
+    paged_prefill_attention(q, k_cache, v_cache, table,
+                            *[torch.from_numpy(meta[k]).to(dev) for k in METADATA], scale, bm)

@@ -33,6 +33,11 @@ def capture_runner_graphs(runner, max_batch: int):
                                                 captures_piecewise_graphs, piecewise_max_tokens)
     from sparseserve.worker.piecewise_graphs import token_buckets
     cfg = runner.cfg
+    if runner.device.type == "cuda" and runner.tp is None:
+        # the eager path's chunk-after-prefix attention: compiled now, not mid-serving
+        from sparseserve.kernels.paged_prefill import warm_up
+        attn = runner.model.model.layers[0].self_attn
+        warm_up(runner.kv.k[0], runner.kv.v[0], attn.num_heads, attn.num_kv_heads, runner.scale)
     buckets = token_buckets(piecewise_max_tokens(cfg))
     graphs, error = None, None
     if captures_decode_graphs(cfg):

@@ -156,3 +156,14 @@ def test_fixed_size_metadata_skips_unused_blocks():
     want = _reference(q[:22], ks[:2], vs[:2], lens[:2], starts[:2], D ** -0.5)
     torch.testing.assert_close(got[:22].double(), want, **TOL[torch.float32])
     assert (got[22:] == 7.0).all()
+
+
+def test_warm_up_runs_on_the_engine_caches():
+    """The start-up compile call (cuda_graphs.capture_runner_graphs on a GPU): one one-token
+    chunk over page 0 of caches shaped like the engine's, nothing written to them."""
+    from sparseserve.kernels.paged_prefill import warm_up
+
+    kc, vc = to_dev(torch.randn(3, 16, 32), torch.randn(3, 16, 32))
+    before = kc.clone(), vc.clone()
+    warm_up(kc, vc, 8, 2, 32 ** -0.5)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
