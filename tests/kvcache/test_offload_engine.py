@@ -35,18 +35,22 @@ def offload_llm(model_dir, slots, **kw):
     return LLM(model_dir, **args)
 
 
+def assert_same_outputs(outs, want):
+    """Token for token, and every logprob `want` returned within 1e-4."""
+    for a, b in zip(outs, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for t in y:
+                assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4)
+
+
 def check_forced_offload_equals_resident(model_dir, algo, **kw):
     """`algo` on 32 slots (exactly the mandatory selection of 4 requests x 2 heads x 4 pages)
     == all resident, tokens and logprobs, with hits and misses; -> the offload LLM."""
     resident = LLM(model_dir, **dict(SPARSE, sparse_algorithm=algo)).generate(
         prompts(), PARAMS, use_tqdm=False)
     llm = offload_llm(model_dir, 32, sparse_algorithm=algo, max_num_batched_tokens=48, **kw)
-    outs = llm.generate(prompts(), PARAMS, use_tqdm=False)
-    for a, b in zip(outs, resident):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for t in y:
-                assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4)
+    assert_same_outputs(llm.generate(prompts(), PARAMS, use_tqdm=False), resident)
     stats = llm.engine.get_stats()
     assert stats["cache_misses_total"] > 0 and stats["cache_hits_total"] > 0
     llm.engine.check_invariants()
@@ -191,9 +195,5 @@ def test_forced_offload_paged_prefill_kernel_equals_resident(model_dir, algo, mo
     llm = offload_llm(model_dir, 32, sparse_algorithm=algo, max_num_batched_tokens=48)
     outs = llm.generate(prompts(), PARAMS, use_tqdm=False)
     assert paged_prefill_calls, "no chunk went through the paged prefill kernel"
-    for a, b in zip(outs, resident):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for t in y:
-                assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4)
+    assert_same_outputs(outs, resident)
     llm.engine.check_invariants()
