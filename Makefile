@@ -33,7 +33,8 @@ test: setup
 	$(BIN)/python -m pytest tests -q
 
 # GPU machine: every kernel and transfer test compiled by Triton on the GPU, then the GPU-only
-# tests (tests/gpu: graphs == eager, piecewise graphs == eager (tests/worker), forced offload == resident for every algorithm and preset,
+# tests (tests/gpu: graphs == eager, piecewise and whole-step graphs == eager and the paged
+# prefill path == transformers (tests/worker), forced offload == resident for every algorithm and preset,
 # graph replay after host-side page updates, prefill attention), in one pytest run with one
 # summary line; tests/conftest.py orders tests/gpu last and fails any silent skip there.
 # The rest of the suite is device-independent engine / server logic that CI runs on the CPU: on
