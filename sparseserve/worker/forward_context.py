@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -17,7 +18,7 @@ from torch.nn.attention.bias import causal_lower_right
 from sparseserve.kernels import paged_decode_attention
 from sparseserve.kernels.paged_decode_cpu import decode_planned, plan_decode
 from sparseserve.kernels.ref import merge_attention, paged_decode_lse
-from sparseserve.worker.host_copy import to_device
+from sparseserve.worker.host_copy import pack_to_device
 from sparseserve.worker.sparse_runtime import SparseRuntime
 from sparseserve.worker.page_directory import PageDirectory
 
@@ -212,9 +213,9 @@ class ForwardContext:
             meta = plan_metadata([p.q_end - p.q_start for p in chunks], [p.start for p in chunks],
                                  self._paged_block_m, [p.q_start for p in chunks])
             width = max(-(-(p.start + p.q_end - p.q_start) // ps) for p in chunks)
-            table = self.pages.table(to_device([p.row for p in chunks], torch.long, q.device),
-                                     width).contiguous()
-            self._paged = (table, *(to_device(meta[k], None, q.device) for k in METADATA))
+            dev = pack_to_device({"rows": np.asarray([p.row for p in chunks])}, meta, q.device)
+            table = self.pages.table(dev["rows"], width).contiguous()
+            self._paged = (table, *(dev[k] for k in METADATA))
         return self._paged
 
     def _dense_decode(self, q: torch.Tensor, k_cache: torch.Tensor,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 
@@ -46,3 +47,27 @@ def fill_at(target: torch.Tensor, index: tuple[torch.Tensor, ...], value: float 
     sync. (`target[idx] = scalar` wraps the scalar in a CPU tensor that index_put_ copies to
     the device synchronously; a 0-dim device tensor built by a fill kernel is not copied.)"""
     target.index_put_(index, torch.full((), value, dtype=target.dtype, device=target.device))
+
+
+def pack_to_device(p64: dict[str, np.ndarray], p32: dict[str, np.ndarray],
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    """Host arrays as device tensors of their shapes (p64: int64, p32: int32) through one
+    host-to-device copy: one int32 buffer, the int64 ones first (8-byte aligned) and viewed
+    back as int64."""
+    a64 = [np.ascontiguousarray(a, dtype=np.int64).reshape(-1) for a in p64.values()]
+    a32 = [np.ascontiguousarray(a, dtype=np.int32).reshape(-1) for a in p32.values()]
+    n64 = sum(a.size for a in a64)
+    host = np.concatenate([np.concatenate(a64 or [np.zeros(0, np.int64)]).view(np.int32),
+                           *a32, np.zeros(1, np.int32)])
+    buf = to_device(host, torch.int32, device)
+    out: dict[str, torch.Tensor] = {}
+    d64 = buf[:2 * n64].view(torch.int64)
+    o = 0
+    for (name, a) in p64.items():
+        out[name] = d64[o:o + a.size].view(a.shape)
+        o += a.size
+    o = 2 * n64
+    for (name, a) in p32.items():
+        out[name] = buf[o:o + a.size].view(a.shape)
+        o += a.size
+    return out

@@ -17,7 +17,7 @@ from sparseserve.kernels import paged_decode_attention
 from sparseserve.kernels.slot_store import store_token_rows
 from sparseserve.sparse import LayerSummaries
 from sparseserve.worker.forward_context import ForwardContext, PrefillSeq
-from sparseserve.worker.host_copy import to_device
+from sparseserve.worker.host_copy import pack_to_device
 from sparseserve.worker.offload_cache import TwoTierCache
 
 
@@ -241,10 +241,10 @@ class OffloadForwardContext(ForwardContext):
             self._index_pages(p, q, dev_k[done].reshape(-1, ps, dev_k.shape[-1]), pages_v,
                               plan, summaries)
         qc = q[p.q_start:p.q_end]
-        if "paged" not in plan:  # the same at every layer of the step
+        if "paged" not in plan:  # the same at every layer of the step: one small copy
             bm = block_tokens(q.shape[1], slots.shape[0])
-            meta = plan_metadata([qc.shape[0]], [p.start], bm)
-            plan["paged"] = (bm, [to_device(meta[k], None, q.device) for k in METADATA])
+            meta = pack_to_device({}, plan_metadata([qc.shape[0]], [p.start], bm), q.device)
+            plan["paged"] = (bm, [meta[k] for k in METADATA])
         bm, meta = plan["paged"]
         return paged_prefill_attention(qc, dev_k, dev_v, slots.to(torch.int32)[None], *meta,
                                        self.scale, bm)
@@ -296,7 +296,7 @@ class OffloadForwardContext(ForwardContext):
             p32["read"] = np.arange(hkv * nf)
             p32["ntok"] = np.full((hkv * nf,), ps)
             p64["fill_pos"] = np.arange(b0, b1) * ps + ps - 1 - p.start
-        plan.update(_pack_to_device(p64, p32, self.cache.page_of.device))
+        plan.update(pack_to_device(p64, p32, self.cache.page_of.device))
         return plan
 
     def _map_and_store(self, layer: int, p: PrefillSeq, k: torch.Tensor, v: torch.Tensor,
@@ -365,26 +365,3 @@ def _zeros_like_rows(tensors: dict[str, torch.Tensor], n: int) -> dict[str, torc
             out[m] = part.view(n, tensors[m].shape[1])
     return out
 
-
-def _pack_to_device(p64: dict[str, np.ndarray], p32: dict[str, np.ndarray],
-                    device: torch.device) -> dict[str, torch.Tensor]:
-    """Host arrays as device tensors of their shapes (p64: int64, p32: int32) through one
-    host-to-device copy: one int32 buffer, the int64 ones first (8-byte aligned) and viewed
-    back as int64."""
-    a64 = [np.ascontiguousarray(a, dtype=np.int64).reshape(-1) for a in p64.values()]
-    a32 = [np.ascontiguousarray(a, dtype=np.int32).reshape(-1) for a in p32.values()]
-    n64 = sum(a.size for a in a64)
-    host = np.concatenate([np.concatenate(a64 or [np.zeros(0, np.int64)]).view(np.int32),
-                           *a32, np.zeros(1, np.int32)])
-    buf = to_device(host, torch.int32, device)
-    out: dict[str, torch.Tensor] = {}
-    d64 = buf[:2 * n64].view(torch.int64)
-    o = 0
-    for (name, a) in p64.items():
-        out[name] = d64[o:o + a.size].view(a.shape)
-        o += a.size
-    o = 2 * n64
-    for (name, a) in p32.items():
-        out[name] = buf[o:o + a.size].view(a.shape)
-        o += a.size
-    return out
