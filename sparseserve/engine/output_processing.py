@@ -26,7 +26,10 @@ class ParentRequest:
     prompt_token_ids: list[int]
     children: list[Request]
     detok: dict[str, IncrementalDetokenizer] = field(default_factory=dict)
-    cumulative_logprob: dict[str, float] = field(default_factory=dict)
+    # per child, built incrementally (each step adds only its new tokens: rebuilding every
+    # token's entries each step made a step's output side quadratic in the output length)
+    logprob_rows: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
+    cumulative_logprob: dict[str, tuple[int, float]] = field(default_factory=dict)  # (tokens summed, sum)
     prompt_logprobs: list[Any] | None = None  # RequestOutput.prompt_logprobs, once complete
 
 
@@ -105,9 +108,11 @@ class OutputProcessing:
             ids = list(req.output_token_ids)
             lps = None
             if req.sampling_params.logprobs is not None:
-                lps = [{t: Logprob(lp, rank, self._decode_one(t)) for t, (lp, rank) in d.items()}
-                       for d in req.logprobs]
-            cum = sum(d[t][0] for d, t in zip(req.logprobs, ids)) if req.logprobs else None
+                rows = parent.logprob_rows.setdefault(req.request_id, [])
+                rows.extend({t: Logprob(lp, rank, self._decode_one(t)) for t, (lp, rank) in d.items()}
+                            for d in req.logprobs[len(rows):])
+                lps = list(rows)  # a copy: the consumer's list must not grow under it
+            cum = self._cumulative_logprob(parent, req) if req.logprobs else None
             outs.append(CompletionOutput(index=i, text=text, token_ids=ids,
                                          cumulative_logprob=cum, logprobs=lps,
                                          finish_reason=req.finish_reason,
@@ -130,6 +135,18 @@ class OutputProcessing:
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
                              finished=finished, metrics=metrics, new_token_times=times,
                              prompt_logprobs=parent.prompt_logprobs)
+
+    @staticmethod
+    def _cumulative_logprob(parent: ParentRequest, req: Request) -> float:
+        """Sum of the sampled tokens' logprobs, adding only the tokens new since the last call
+        (left to right, so the same float as summing the whole list)."""
+        done, total = parent.cumulative_logprob.get(req.request_id, (0, 0))
+        ids = req.output_token_ids
+        end = min(len(ids), len(req.logprobs))
+        for d, t in zip(req.logprobs[done:end], ids[done:end]):
+            total += d[t][0]
+        parent.cumulative_logprob[req.request_id] = (end, total)
+        return total
 
     def _decode_one(self, token_id: int) -> str | None:
         if self.tokenizer is None:

@@ -1,4 +1,6 @@
 """The offline API on the embedded SmolLM2: stop conditions, n, logprobs, chat, text."""
+import pytest
+
 from sparseserve import SamplingParams
 
 
@@ -91,3 +93,30 @@ def test_unicode_streams_whole_characters(smollm2_llm):
     pieces = [d.add(t) for t in ids]
     assert "".join(pieces) == "Café 東京 🙂 naïve"
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_streamed_logprobs_are_built_once_and_never_change_under_the_consumer(smollm2_llm):
+    """Each step's output carries every token's logprobs so far (built incrementally, not
+    rebuilt every step) and its cumulative logprob; an output already handed out does not
+    change when later steps add tokens."""
+    engine = smollm2_llm.engine
+    engine.add_request("lp-stream", "The three primary colours are",
+                       SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=17, logprobs=1))
+    seen = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.append((out, [(list(o.token_ids), list(o.logprobs), o.cumulative_logprob)
+                               for o in out.outputs]))
+    final = seen[-1][0]
+    assert final.finished and all(len(o.token_ids) == 17 for o in final.outputs)
+    for out, snapshot in seen:
+        for o, (ids, lps, cum) in zip(out.outputs, snapshot):
+            assert o.token_ids == ids and o.logprobs == lps and o.cumulative_logprob == cum
+            assert len(o.logprobs) == len(o.token_ids)
+            full = final.outputs[o.index]
+            assert o.token_ids == full.token_ids[:len(ids)]
+            assert o.logprobs == full.logprobs[:len(ids)]  # the same entries, step after step
+            total = 0
+            for t, lp in zip(o.token_ids, o.logprobs):
+                total += lp[t].logprob
+            assert o.cumulative_logprob == pytest.approx(total, abs=1e-9)
