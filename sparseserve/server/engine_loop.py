@@ -216,6 +216,9 @@ class EngineLoop:
         _resolve(cmd.loop, cmd.future, None)
 
     def _dispatch(self, outputs: list[Any]) -> None:
+        # one wake-up of each event loop per step, not one per output: every
+        # call_soon_threadsafe writes the loop's self-pipe, which the loop must read back
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         for out in outputs:
             route = self._routes.get(out.request_id)
             if route is None:  # aborted by us already
@@ -225,9 +228,14 @@ class EngineLoop:
                     self.metrics.observe_output(out, route.track)
                 except Exception:  # metrics must never kill the loop
                     logger.exception("metrics update failed")
-            _deliver(route, (out.request_id, out))
+            batches.setdefault(route.loop, []).append((route.sink, (out.request_id, out)))
             if out.finished:
                 del self._routes[out.request_id]
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop is closed: nobody is waiting any more
+                pass
 
     def _refresh_stats(self, fresh: bool = True) -> None:
         try:
@@ -273,6 +281,11 @@ def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any =
         loop.call_soon_threadsafe(done)
     except RuntimeError:  # the event loop is closed: nobody is waiting any more
         pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for sink, item in items:
+        sink.put_nowait(item)
 
 
 def _deliver(route: _Route, item: Any) -> None:

@@ -22,10 +22,10 @@ class _RecordingLoop:
         self.seen: list[tuple[object, float]] = []
 
     def call_soon_threadsafe(self, fn, *args) -> None:
-        if args and isinstance(args[0], tuple):  # (request id, RequestOutput) to a route
+        if args and isinstance(args[0], list):  # a step's [(sink, (request id, RequestOutput))]
             saved = self.metrics.registry.get_sample_value(
                 "sparseserve:kv_bytes_saved_total", {"model_name": self.metrics.model_name})
-            self.seen.append((args[0][1], saved or 0.0))
+            self.seen.extend((item[1], saved or 0.0) for _, item in args[0])
 
 
 def test_stats_of_a_step_are_published_before_its_outputs():
