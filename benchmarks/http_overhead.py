@@ -70,11 +70,11 @@ def in_process(a, model: str, out_dir: str, tag: str) -> dict:
     return run_bench(args, out_dir, tag)
 
 
-def over_http(a, model: str, out_dir: str, tag: str) -> dict:
+def over_http(a, model: str, out_dir: str, tag: str, extra: tuple = ()) -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "sparseserve.cli", "serve", model, "--port", str(port),
-           "--uvicorn-log-level", "warning", *engine_flags(a, model)]
+           "--uvicorn-log-level", "warning", *engine_flags(a, model), *extra]
     if a.server_cpus:
         cmd = ["taskset", "-c", a.server_cpus, *cmd]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -92,7 +92,13 @@ def over_http(a, model: str, out_dir: str, tag: str) -> dict:
             proc.kill()
 
 
-CONFIGS = {"in-process": in_process, "http": over_http}
+def over_http_thread(a, model: str, out_dir: str, tag: str) -> dict:
+    return over_http(a, model, out_dir, tag, ("--no-engine-process",))
+
+
+# http: the server as shipped (its engine in its own process); http-thread: the engine stepped
+# by a thread of the server process, sharing the GIL with the HTTP event loop
+CONFIGS = {"in-process": in_process, "http": over_http, "http-thread": over_http_thread}
 
 
 def main(argv=None) -> int:

@@ -39,7 +39,7 @@ class InProcessBackend:
         self.model = getattr(core, "model_name", None) or "default"
         self.max_model_len = int(core.max_model_len)
         self.tokenizer = getattr(core, "tokenizer", None)
-        self.vocab_size = int(core.config.model.vocab_size) if hasattr(core, "config") else None
+        self.vocab_size = int(core.vocab_size) if hasattr(core, "vocab_size") else None
         self._ids = itertools.count()
         self._prefix = f"bench-{uuid.uuid4().hex[:8]}"
 

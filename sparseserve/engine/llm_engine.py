@@ -67,18 +67,15 @@ class LLMEngine(OutputProcessing):
         return self.config.scheduler.max_model_len
 
     # ---- requests -------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.config.model.vocab_size
+
     def grammar_backend(self, field: str = "structured_outputs"):
         """The llguidance compiler for this model's tokenizer (built on first use; thread-safe,
         so the server can compile in its pool). ParamError naming `field` without a tokenizer."""
-        if self.tokenizer is None:
-            raise ParamError("Structured outputs need the model's tokenizer, and this model has none "
-                             "(dummy weights); serve a model with a tokenizer or pass --tokenizer.",
-                             field, "tokenizer_required")
-        if self._grammar_backend is None:
-            from sparseserve.structured.backend import GrammarBackend
-            self._grammar_backend = GrammarBackend(self.tokenizer, self.config.model.vocab_size,
-                                                   self.eos_token_ids[0] if self.eos_token_ids else None)
-        return self._grammar_backend
+        from sparseserve.structured.backend import lazy_backend
+        return lazy_backend(self, field)
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:

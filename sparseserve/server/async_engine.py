@@ -32,14 +32,31 @@ __all__ = ["Aborted", "AsyncLLMEngine", "EngineDeadError", "EngineOverloadedErro
 
 class AsyncLLMEngine:
     def __init__(self, engine: Any, *, metrics: Any = None, max_waiting_requests: Optional[int] = None,
-                 idle_poll_s: float = 0.5, health_check_interval_s: float = 10.0) -> None:
+                 idle_poll_s: float = 0.5, health_check_interval_s: float = 10.0,
+                 loop: Any = None) -> None:
+        """`engine`: an LLMEngine stepped by a thread of this process; or, with `loop` (an
+        `engine_client.EngineProcessLoop`), the EngineInfo of an engine in its own process."""
         self.engine = engine
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
-        self._loop = EngineLoop(engine, metrics=metrics, idle_poll_s=idle_poll_s,
-                                health_check_interval_s=health_check_interval_s)
+        self._loop = loop if loop is not None else EngineLoop(
+            engine, metrics=metrics, idle_poll_s=idle_poll_s,
+            health_check_interval_s=health_check_interval_s)
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
+
+    @classmethod
+    def in_engine_process(cls, engine_args: Any, *, metrics_factory: Any = None,
+                          max_waiting_requests: Optional[int] = None,
+                          start_timeout_s: Optional[float] = None) -> "AsyncLLMEngine":
+        """The engine built from `engine_args` in its own process (`engine_core.py` says why);
+        returns once it is ready. `metrics_factory(info, stats)` -> ServerMetrics or None."""
+        from sparseserve.server.engine_client import start_engine_process
+
+        loop = start_engine_process(engine_args, metrics_factory=metrics_factory,
+                                    start_timeout_s=start_timeout_s)
+        return cls(loop.info, metrics=loop.metrics, max_waiting_requests=max_waiting_requests,
+                   loop=loop)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -57,6 +74,9 @@ class AsyncLLMEngine:
             self._loop.send(STOP)
             self._thread.join(timeout)
         self._loop.fail_pending(ServerShutdownError("the server is shutting down"))
+        close = getattr(self._loop, "close", None)  # the engine process, if it has one
+        if close is not None:
+            close(timeout)
 
     def cut_all(self) -> None:
         """Refuse new requests, abort every running one and end its stream with

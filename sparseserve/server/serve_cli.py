@@ -64,6 +64,10 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds to let in-flight requests finish; then the rest get "
                         "an error (503 / a final SSE error event) and the exit code is "
                         f"{EXIT_REQUESTS_CUT}")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in its own process, so HTTP work (JSON, SSE) never holds "
+                        "the engine's GIL (default); --no-engine-process steps it in a thread "
+                        "of the server process")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -116,7 +120,11 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-waiting-requests must be >= 0.")
     limits = server_limits(args)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    engine_args = EngineArgs.from_cli_args(args)
+    if args.engine_process:
+        engine = _engine_process(engine_args, args)
+    else:
+        engine = LLMEngine.from_engine_args(engine_args)
     app = create_app(engine, served_model_names=args.served_model_name, api_key=api_key,
                      max_waiting_requests=args.max_waiting_requests, limits=limits,
                      chat_template=_chat_template(args.chat_template),
@@ -127,6 +135,24 @@ def run_serve(args: argparse.Namespace) -> int:
         args.host, args.port, " with an API key" if api_key else "")
     return serve_app(app, args.host, args.port, log_level=args.uvicorn_log_level,
                      graceful_timeout_s=args.shutdown_timeout)
+
+
+def _engine_process(engine_args: Any, args: argparse.Namespace) -> Any:
+    """An AsyncLLMEngine whose engine runs in its own process, with the server's metrics."""
+    from sparseserve.server.async_engine import AsyncLLMEngine
+    from sparseserve.server.metrics import ServerMetrics
+
+    def metrics(info: Any, stats: dict) -> ServerMetrics:
+        names = args.served_model_name or [info.model_name or "default"]
+        m = ServerMetrics(names[0], max_model_len=info.max_model_len)
+        m.start_from(stats)  # count from here: not the start-up warm-up
+        return m
+
+    try:
+        return AsyncLLMEngine.in_engine_process(engine_args, metrics_factory=metrics,
+                                                max_waiting_requests=args.max_waiting_requests)
+    except RuntimeError as e:  # the engine's own error is in the log above
+        raise ValueError(str(e)) from e
 
 
 def serve_app(app: Any, host: str, port: int, log_level: str = "info",

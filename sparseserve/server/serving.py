@@ -104,8 +104,7 @@ class ServingContext:
         self.max_n = self.limits.max_n
         self.chat_template = chat_template
         self.tokenizer = getattr(core, "tokenizer", None)
-        cfg = getattr(core, "config", None)
-        vocab = getattr(getattr(cfg, "model", None), "vocab_size", None)
+        vocab = getattr(core, "vocab_size", None)
         self.vocab_size = int(vocab) if vocab else (len(self.tokenizer) if self.tokenizer is not None else None)
         self.max_token_chars = 2 * _max_token_chars(self.tokenizer)  # x2: normalisation can merge chars
         self._local = threading.local()

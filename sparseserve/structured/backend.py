@@ -36,6 +36,21 @@ INSTALL_HINT = "pip install llguidance (it comes with sparseserve[server])"
 _MAX_MESSAGE = 400
 
 
+def lazy_backend(owner: Any, field: str) -> "GrammarBackend":
+    """`owner`'s GrammarBackend, built on first use and kept in `owner._grammar_backend`;
+    `owner` has `tokenizer`, `vocab_size`, `eos_token_ids` (the engine, or the server's view of
+    an engine in another process). ParamError naming `field` when there is no tokenizer."""
+    if owner.tokenizer is None:
+        raise ParamError("Structured outputs need the model's tokenizer, and this model has none "
+                         "(dummy weights); serve a model with a tokenizer or pass --tokenizer.",
+                         field, "tokenizer_required")
+    if owner._grammar_backend is None:
+        eos = owner.eos_token_ids
+        owner._grammar_backend = GrammarBackend(owner.tokenizer, owner.vocab_size,
+                                                eos[0] if eos else None)
+    return owner._grammar_backend
+
+
 def _llguidance() -> Any:
     try:
         import llguidance
