@@ -9,6 +9,11 @@ GPU decode step, instead of SmolLM2's ~60 ms on this CPU):
   # SmolLM2 (the embedded default) instead of the 2-layer dummy model
   python benchmarks/http_overhead.py --out /tmp/h.json --model /work/smollm2-hf --num-prompts 8
 
+  # against an older tree, interleaved: its server from a worktree
+  git worktree add /tmp/base 7422f95
+  python benchmarks/http_overhead.py --out /tmp/h.json --configs in-process,http,http-baseline \
+      --baseline-tree /tmp/base --output-len 512
+
 `--server-args` adds flags to the server (and the in-process engine), e.g. "--async-scheduling".
 Every configuration of a round runs against a fresh engine; the client always runs in this
 process. On a machine with few cores the client, the server's event loop and its engine share
@@ -70,16 +75,20 @@ def in_process(a, model: str, out_dir: str, tag: str) -> dict:
     return run_bench(args, out_dir, tag)
 
 
-def over_http(a, model: str, out_dir: str, tag: str, extra: tuple = ()) -> dict:
+def over_http(a, model: str, out_dir: str, tag: str, extra: tuple = (),
+              tree: str | None = None) -> dict:
+    """`tree`: run the server from another checkout's sources (the baseline of an A/B)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "sparseserve.cli", "serve", model, "--port", str(port),
            "--uvicorn-log-level", "warning", *engine_flags(a, model), *extra]
     if a.server_cpus:
         cmd = ["taskset", "-c", a.server_cpus, *cmd]
+    # cwd: `python -m` puts the working directory first on sys.path, before PYTHONPATH
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            cwd=tree or os.path.dirname(HERE),
                             env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                                [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])))
+                                [tree or os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])))
     try:
         wait_healthy(proc, base, 300)
         run_bench(bench_args(a, tag + "_w", out_dir) + ["--base-url", base], out_dir, tag + "_w")
@@ -96,9 +105,14 @@ def over_http_thread(a, model: str, out_dir: str, tag: str) -> dict:
     return over_http(a, model, out_dir, tag, ("--no-engine-process",))
 
 
+def over_http_baseline(a, model: str, out_dir: str, tag: str) -> dict:
+    return over_http(a, model, out_dir, tag, tree=a.baseline_tree)
+
+
 # http: the server as shipped (its engine in its own process); http-thread: the engine stepped
 # by a thread of the server process, sharing the GIL with the HTTP event loop
-CONFIGS = {"in-process": in_process, "http": over_http, "http-thread": over_http_thread}
+CONFIGS = {"in-process": in_process, "http": over_http, "http-thread": over_http_thread,
+           "http-baseline": over_http_baseline}
 
 
 def main(argv=None) -> int:
@@ -115,6 +129,9 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
     p.add_argument("--server-args", default="", help="extra engine / server flags")
     p.add_argument("--server-cpus", default=None, help="taskset CPU list for the server process")
+    p.add_argument("--baseline-tree", default=None,
+                   help="a checkout (e.g. `git worktree add /tmp/base <commit>`) whose server the "
+                        "http-baseline configuration runs")
     a = p.parse_args(argv)
     tmp = tempfile.TemporaryDirectory()
     a.smoke = a.model is None

@@ -9,7 +9,7 @@ at the same rate and writes one JSON (every bench result, the server commands).
       --presets sparseserve,dense --request-rate 2 --num-prompts 16
   # a preset with "+async" runs the server with --async-scheduling (e.g. dense+async), with
   # "+piecewise" with --cudagraph-mode FULL_AND_PIECEWISE (e.g. dense+async+piecewise),
-  # "+full" with --cudagraph-mode FULL
+  # "+full" with --cudagraph-mode FULL, "+thread" with --no-engine-process
   python benchmarks/serving_http.py --out /tmp/h.json --smoke      # tiny model on the CPU
 
 The in-process sweep (benchmarks/serving.py) measures the same quantities without HTTP; this
@@ -47,12 +47,13 @@ def free_port() -> int:
 def server_command(a, model: str, preset: str, port: int) -> list[str]:
     """`preset` is a preset name with optional modifiers: "+async" (the server with
     --async-scheduling), "+piecewise" (--cudagraph-mode FULL_AND_PIECEWISE), "+full"
-    (--cudagraph-mode FULL)."""
+    (--cudagraph-mode FULL), "+thread" (--no-engine-process: the engine in a thread of the
+    server instead of its own process)."""
     preset, *mods = preset.split("+")
-    bad = set(mods) - {"async", "piecewise", "full"}
+    bad = set(mods) - {"async", "piecewise", "full", "thread"}
     if bad or {"piecewise", "full"} <= set(mods):
         raise ValueError(f"unknown or conflicting preset modifier(s) {sorted(mods)} (known: "
-                         "+async, one of +piecewise / +full)")
+                         "+async, +thread, one of +piecewise / +full)")
     cmd = [sys.executable, "-m", "sparseserve.cli", "serve", model, "--port", str(port),
            "--preset", preset, "--max-model-len", str(a.max_model_len),
            "--max-num-seqs", str(a.max_num_seqs),
@@ -71,6 +72,8 @@ def server_command(a, model: str, preset: str, port: int) -> list[str]:
         cmd += ["--cudagraph-mode", "FULL_AND_PIECEWISE"]
     if "full" in mods:
         cmd += ["--cudagraph-mode", "FULL"]
+    if "thread" in mods:  # the engine stepped by a thread of the server process
+        cmd += ["--no-engine-process"]
     if a.smoke:
         cmd += ["--device", "cpu", "--dtype", "float32"]
     return cmd

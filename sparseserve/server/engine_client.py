@@ -39,8 +39,10 @@ def start_engine_process(engine_args: Any, *, metrics_factory: Any = None,
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
     cmd_recv, cmd_send = ctx.Pipe(duplex=False)
     out_recv, out_send = ctx.Pipe(duplex=False)
+    # not a daemon: with tensor parallelism the engine starts its own worker processes (a
+    # daemon may not); it ends when our pipe closes, however this process ends
     proc = ctx.Process(target=run_engine_core, args=(engine_args, cmd_recv, out_send),
-                       name="sparseserve-engine", daemon=True)
+                       name="sparseserve-engine", daemon=False)
     proc.start()
     cmd_recv.close()  # the child's ends: closing ours lets each side see the other's exit
     out_send.close()

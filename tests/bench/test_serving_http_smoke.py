@@ -44,7 +44,7 @@ def test_serving_http_smoke(tmp_path):
 
 
 def test_preset_modifiers_map_to_server_flags():
-    """+async / +piecewise / +full become the server's flags; unknown or conflicting ones are
+    """+async / +piecewise / +full / +thread become the server's flags; unknown or conflicting ones are
     an error that names the known modifiers."""
     import argparse
 
@@ -56,8 +56,10 @@ def test_preset_modifiers_map_to_server_flags():
                            smoke=False)
     cmd = server_command(a, "m", "dense+async+full", 8000)
     assert "--async-scheduling" in cmd and cmd[cmd.index("--cudagraph-mode") + 1] == "FULL"
-    cmd = server_command(a, "m", "sparseserve+piecewise", 8000)
+    assert "--no-engine-process" not in cmd
+    cmd = server_command(a, "m", "sparseserve+piecewise+thread", 8000)
     assert cmd[cmd.index("--cudagraph-mode") + 1] == "FULL_AND_PIECEWISE"
+    assert "--no-engine-process" in cmd
     for bad in ("dense+fast", "dense+piecewise+full"):
         with pytest.raises(ValueError, match="known: \\+async"):
             server_command(a, "m", bad, 8000)

@@ -226,3 +226,30 @@ def test_sigterm_past_the_timeout_cuts_streams_served_by_the_engine_process(tiny
     # the engine process ended with the server: nothing named like it is left running
     ps = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
     assert not [ln for ln in ps.splitlines() if f" {proc.pid} " in ln and "python" in ln], ps
+
+
+def test_tensor_parallel_engine_in_its_own_process(tiny_dir):
+    """The engine process may start its own rank processes (it is not a daemon): TP=2 over
+    gloo gives the greedy tokens of the TP=1 engine."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = LLMEngine.from_engine_args(engine_args(tiny_dir))
+    for i, ids in enumerate(prompts()):
+        ref.add_request(f"t{i}", {"prompt_token_ids": ids}, params)
+    want = {}
+    while ref.has_unfinished_requests():
+        for out in ref.step():
+            if out.finished:
+                want[out.request_id] = out.outputs[0].token_ids
+    import dataclasses
+    args = dataclasses.replace(engine_args(tiny_dir), tensor_parallel_size=2)
+    aeng = AsyncLLMEngine.in_engine_process(args).start()
+    try:
+        async def run():
+            return await asyncio.gather(*(_generate(aeng, f"t{i}", ids, params)
+                                          for i, ids in enumerate(prompts())))
+
+        outs = asyncio.run(run())
+    finally:
+        aeng.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [want[f"t{i}"] for i in range(len(LENGTHS))]
+    assert aeng._loop.proc.exitcode == 0
