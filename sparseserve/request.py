@@ -95,7 +95,7 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED)
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: identity equality (`req in running` stays cheap)
 class Request:
     """One generation job. `all_token_ids` = prompt + output; the engine catches
     `num_computed_tokens` up with it (there is no separate prefill/decode phase)."""
