@@ -35,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import common as C  # noqa: E402
-from serving_http import free_port, wait_healthy  # noqa: E402
+from serving_http import free_port, stop_server, wait_healthy  # noqa: E402
 
 KEYS = ("output_throughput", "mean_ttft_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms",
         "mean_tpot_ms")
@@ -94,11 +94,7 @@ def over_http(a, model: str, out_dir: str, tag: str, extra: tuple = (),
         run_bench(bench_args(a, tag + "_w", out_dir) + ["--base-url", base], out_dir, tag + "_w")
         return run_bench(bench_args(a, tag, out_dir) + ["--base-url", base], out_dir, tag)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 def over_http_thread(a, model: str, out_dir: str, tag: str) -> dict:

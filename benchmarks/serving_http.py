@@ -137,13 +137,19 @@ def run_preset(a, model: str, preset: str, out_dir: str) -> dict:
     except Exception as exc:  # noqa: BLE001 - recorded; the next preset still runs
         rec.update(C.error_record(exc))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        rec["server_exit_code"] = proc.returncode
+        rec["server_exit_code"] = stop_server(proc)
     return rec
+
+
+def stop_server(proc) -> int:
+    """SIGTERM (the server drains), SIGKILL after 60 s; its exit code."""
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return proc.returncode
 
 
 def main(argv=None) -> int:

@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Any
 
+from sparseserve.server.engine_loop import drain
 from sparseserve.server.output_deltas import DeltaEncoder
 
 logger = logging.getLogger("sparseserve.server")
@@ -91,7 +92,7 @@ class EngineCore:
         try:
             while True:
                 busy = engine.has_unfinished_requests()
-                cmds = self._drain(block=not busy)
+                cmds = drain(self._cmds, self._idle_poll_s if not busy else None)
                 need_step = False
                 for cmd in cmds:
                     if cmd[0] == "stop":
@@ -121,19 +122,6 @@ class EngineCore:
                 self._out.send(("dead", f"engine loop died: {type(e).__name__}: {e}"))
             except (OSError, EOFError):
                 pass
-
-    def _drain(self, block: bool) -> list[Any]:
-        cmds = []
-        if block:
-            try:
-                cmds.append(self._cmds.get(timeout=self._idle_poll_s))
-            except queue.Empty:
-                return cmds
-        while True:
-            try:
-                cmds.append(self._cmds.get_nowait())
-            except queue.Empty:
-                return cmds
 
     def _apply(self, cmd: tuple) -> bool:
         """Apply one command; True when aborted requests need a step to free their pages."""

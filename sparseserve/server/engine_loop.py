@@ -125,7 +125,7 @@ class EngineLoop:
         try:
             while True:
                 busy = self.engine.has_unfinished_requests()
-                cmds = self._drain(block=not busy)
+                cmds = drain(self._cmds, self._idle_poll_s if not busy else None)
                 need_step = self._process([c for c in cmds if c is not STOP])
                 if any(c is CUT for c in cmds):
                     need_step = self._abort_all() or need_step
@@ -155,19 +155,6 @@ class EngineLoop:
                 _deliver(route, dead)
             self._routes.clear()
             self.fail_pending(dead)
-
-    def _drain(self, block: bool) -> list[Any]:
-        cmds = []
-        if block:
-            try:
-                cmds.append(self._cmds.get(timeout=self._idle_poll_s))
-            except queue.Empty:
-                return cmds
-        while True:
-            try:
-                cmds.append(self._cmds.get_nowait())
-            except queue.Empty:
-                return cmds
 
     def _process(self, cmds: list[Any]) -> bool:
         """Apply add / abort / call commands in order; True if aborts need a step to free pages."""
@@ -265,6 +252,22 @@ class EngineLoop:
         self.num_cut += len(rids)
         self.fail_pending(cut)
         return bool(rids)
+
+
+def drain(cmds: queue.SimpleQueue, wait_s: Optional[float]) -> list[Any]:
+    """Everything queued; with `wait_s`, first wait up to that long for one command (an idle
+    engine blocks here instead of spinning)."""
+    out = []
+    if wait_s is not None:
+        try:
+            out.append(cmds.get(timeout=wait_s))
+        except queue.Empty:
+            return out
+    while True:
+        try:
+            out.append(cmds.get_nowait())
+        except queue.Empty:
+            return out
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,

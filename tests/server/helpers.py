@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -52,3 +53,20 @@ def metric(samples: dict, name: str, **labels) -> float:
     vals = [v for (n, ls), v in samples.items() if n == name and want <= set(ls)]
     assert vals, f"metric {name} {labels} not found"
     return sum(vals)
+
+
+def wait_healthy(proc, base: str, timeout_s: float, log=lambda: "") -> None:
+    """Wait until the server process `proc` answers /health with 200 (asserting it is alive;
+    `log()` goes into the failure message)."""
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while True:
+        assert proc.poll() is None, log()
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, "server did not come up"
+        time.sleep(0.25)

@@ -2,14 +2,12 @@
 the environment, the real `openai` client, SIGTERM."""
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
 
-from tests.server.helpers import assert_openai_error  # noqa: E402
+from tests.server.helpers import assert_openai_error, wait_healthy  # noqa: E402
 
 PROMPT = "The capital of France is"
 
@@ -33,16 +31,7 @@ def test_cli_serve_api_key_and_sigterm(tmp_path):
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 150
-        while True:
-            assert proc.poll() is None, open(tmp_path / "serve.log").read()
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.25)
+        wait_healthy(proc, base, 150, lambda: open(tmp_path / "serve.log").read())
         assert_openai_error(httpx.post(base + "/v1/completions", json={"prompt": "x"}), 401)
         client = openai.OpenAI(base_url=base + "/v1", api_key="test-key", max_retries=0, timeout=120)
         r = client.completions.create(model="smol", prompt=PROMPT, max_tokens=4, temperature=0)

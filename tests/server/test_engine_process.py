@@ -64,6 +64,19 @@ def tiny_dir(tmp_path_factory):
     return path
 
 
+def reference_outputs(model_dir: str, prefix: str, params: SamplingParams) -> dict:
+    """The finished outputs of the engine stepped in this process: {prefix + i: output}."""
+    ref = LLMEngine.from_engine_args(engine_args(model_dir))
+    for i, ids in enumerate(prompts()):
+        ref.add_request(f"{prefix}{i}", {"prompt_token_ids": ids}, params)
+    want = {}
+    while ref.has_unfinished_requests():
+        for out in ref.step():
+            if out.finished:
+                want[out.request_id] = out
+    return want
+
+
 async def _generate(aeng: AsyncLLMEngine, rid: str, ids: list[int], params: SamplingParams):
     stream = await aeng.submit([(rid, {"prompt_token_ids": ids})], params)
     last = None
@@ -75,14 +88,7 @@ async def _generate(aeng: AsyncLLMEngine, rid: str, ids: list[int], params: Samp
 
 def test_same_tokens_as_the_engine_in_a_thread_and_no_leaked_pages(tiny_dir):
     params = SamplingParams(temperature=0, max_tokens=9, logprobs=1, ignore_eos=True)
-    ref = LLMEngine.from_engine_args(engine_args(tiny_dir))
-    for i, ids in enumerate(prompts()):
-        ref.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
-    want = {}
-    while ref.has_unfinished_requests():
-        for out in ref.step():
-            if out.finished:
-                want[out.request_id] = out
+    want = reference_outputs(tiny_dir, "r", params)
 
     aeng = AsyncLLMEngine.in_engine_process(engine_args(tiny_dir)).start()
     try:
@@ -171,12 +177,11 @@ def test_sigterm_past_the_timeout_cuts_streams_served_by_the_engine_process(tiny
     import subprocess
     import sys
     import threading
-    import time
 
     import httpx
 
     from tests.server.conftest import free_port
-    from tests.server.helpers import sse_events
+    from tests.server.helpers import sse_events, wait_healthy
     from tests.server.test_sigterm import ROOT
 
     port = free_port()
@@ -188,16 +193,7 @@ def test_sigterm_past_the_timeout_cuts_streams_served_by_the_engine_process(tiny
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.25)
+        wait_healthy(proc, base, 120, lambda: proc.stdout.read())
         results, started = [[] for _ in range(6)], threading.Event()
 
         def stream(lines):
@@ -232,14 +228,8 @@ def test_tensor_parallel_engine_in_its_own_process(tiny_dir):
     """The engine process may start its own rank processes (it is not a daemon): TP=2 over
     gloo gives the greedy tokens of the TP=1 engine."""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    ref = LLMEngine.from_engine_args(engine_args(tiny_dir))
-    for i, ids in enumerate(prompts()):
-        ref.add_request(f"t{i}", {"prompt_token_ids": ids}, params)
-    want = {}
-    while ref.has_unfinished_requests():
-        for out in ref.step():
-            if out.finished:
-                want[out.request_id] = out.outputs[0].token_ids
+    want = {rid: out.outputs[0].token_ids
+            for rid, out in reference_outputs(tiny_dir, "t", params).items()}
     import dataclasses
     args = dataclasses.replace(engine_args(tiny_dir), tensor_parallel_size=2)
     aeng = AsyncLLMEngine.in_engine_process(args).start()
