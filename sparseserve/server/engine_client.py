@@ -23,7 +23,7 @@ import threading
 from typing import Any, Optional
 
 from sparseserve.server.engine_errors import EngineDeadError, ServerShutdownError
-from sparseserve.server.engine_loop import CUT, STOP, AbortCmd, AddCmd, CallCmd, _Route, _resolve
+from sparseserve.server.engine_loop import CUT, STOP, AbortCmd, AddCmd, CallCmd, Route, resolve_future
 from sparseserve.server.output_deltas import DeltaAssembler
 
 logger = logging.getLogger("sparseserve.server")
@@ -73,7 +73,7 @@ class EngineProcessLoop:
         self._out = out_conn
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._routes: dict[str, _Route] = {}  # accepted requests
+        self._routes: dict[str, Route] = {}  # accepted requests
         self._adds: dict[str, AddCmd] = {}    # sent, not yet accepted or refused
         self._aborted_adds: set[str] = set()  # aborted before they were accepted
         self._calls: dict[int, CallCmd] = {}
@@ -108,7 +108,7 @@ class EngineProcessLoop:
             try:
                 pickle.dumps(cmd.fn)
             except Exception as e:  # noqa: BLE001 - a lambda, a closure
-                _resolve(cmd.loop, cmd.future, exc=TypeError(
+                resolve_future(cmd.loop, cmd.future, exc=TypeError(
                     f"the engine runs in its own process: call() needs a function that pickles "
                     f"(a module-level function), got {cmd.fn!r} ({e})"))
                 return
@@ -140,7 +140,7 @@ class EngineProcessLoop:
             adds, self._adds = list(self._adds.values()), {}
             calls, self._calls = list(self._calls.values()), {}
         for cmd in adds + calls:
-            _resolve(cmd.loop, cmd.future, exc=exc)
+            resolve_future(cmd.loop, cmd.future, exc=exc)
 
     def _send(self, msg: tuple) -> None:
         try:
@@ -168,7 +168,7 @@ class EngineProcessLoop:
                     with self._lock:
                         cmd = self._calls.pop(msg[1], None)
                     if cmd is not None:
-                        _resolve(cmd.loop, cmd.future, msg[2], msg[3])
+                        resolve_future(cmd.loop, cmd.future, msg[2], msg[3])
                 elif kind == "cut":
                     self._on_cut(msg[1])
                 elif kind == "stopped":
@@ -205,8 +205,8 @@ class EngineProcessLoop:
                     track = RequestTrack(arrival_time=cmd.arrival_time, n=cmd.n,
                                          max_tokens=cmd.max_tokens)
                 with self._lock:
-                    self._routes[rid] = _Route(cmd.loop, cmd.sink, track)
-            _resolve(cmd.loop, cmd.future, None, exc)
+                    self._routes[rid] = Route(cmd.loop, cmd.sink, track)
+            resolve_future(cmd.loop, cmd.future, None, exc)
         self._update_stats(stats)
 
     def _on_step(self, deltas: list[tuple], stats: dict[str, Any]) -> None:
@@ -250,7 +250,7 @@ class EngineProcessLoop:
         if adds:
             self._send(("abort", [c.request_id for c in adds]))
         for cmd in adds:
-            _resolve(cmd.loop, cmd.future, exc=cut)
+            resolve_future(cmd.loop, cmd.future, exc=cut)
 
     def _update_stats(self, stats: dict[str, Any]) -> None:
         self.last_stats = stats
@@ -275,9 +275,9 @@ class EngineProcessLoop:
 
 
 def _deliver_all(loop: Any, items: list[tuple[Any, Any]]) -> None:
-    from sparseserve.server.engine_loop import _put_all
+    from sparseserve.server.engine_loop import put_all
 
     try:
-        loop.call_soon_threadsafe(_put_all, items)
+        loop.call_soon_threadsafe(put_all, items)
     except RuntimeError:  # the event loop is closed: nobody is waiting any more
         pass

@@ -59,7 +59,7 @@ STOP = "stop"  # abort everything running and end the thread
 
 
 @dataclass
-class _Route:
+class Route:
     loop: asyncio.AbstractEventLoop
     sink: asyncio.Queue
     track: Any  # metrics.RequestTrack or None
@@ -73,7 +73,7 @@ class EngineLoop:
         self._idle_poll_s = idle_poll_s
         self._health_interval = health_check_interval_s
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._routes: dict[str, _Route] = {}  # loop thread only
+        self._routes: dict[str, Route] = {}  # loop thread only
         self._lock = threading.Lock()
         self._pending_adds = 0
         self._num_waiting = 0
@@ -115,9 +115,9 @@ class EngineLoop:
             elif isinstance(cmd, AddCmd):
                 with self._lock:
                     self._pending_adds -= 1
-                _resolve(cmd.loop, cmd.future, exc=exc)
+                resolve_future(cmd.loop, cmd.future, exc=exc)
             elif isinstance(cmd, CallCmd):
-                _resolve(cmd.loop, cmd.future, exc=exc)
+                resolve_future(cmd.loop, cmd.future, exc=exc)
 
     # ------------------------------------------------------------------ the thread
 
@@ -175,9 +175,9 @@ class EngineLoop:
                             self.metrics.observe_abort(route.track)
             elif isinstance(cmd, CallCmd):
                 try:
-                    _resolve(cmd.loop, cmd.future, cmd.fn(self.engine))
+                    resolve_future(cmd.loop, cmd.future, cmd.fn(self.engine))
                 except Exception as e:
-                    _resolve(cmd.loop, cmd.future, exc=e)
+                    resolve_future(cmd.loop, cmd.future, exc=e)
         if added:
             with self._lock:
                 self._pending_adds -= added
@@ -193,14 +193,14 @@ class EngineLoop:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
                                     arrival_time=cmd.arrival_time)
         except Exception as e:  # ValueError: bad input; anything else: 500
-            _resolve(cmd.loop, cmd.future, exc=e)
+            resolve_future(cmd.loop, cmd.future, exc=e)
             return
         track = None
         if self.metrics is not None:
             from sparseserve.server.metrics import RequestTrack
             track = RequestTrack(arrival_time=cmd.arrival_time, n=cmd.n, max_tokens=cmd.max_tokens)
-        self._routes[cmd.request_id] = _Route(cmd.loop, cmd.sink, track)
-        _resolve(cmd.loop, cmd.future, None)
+        self._routes[cmd.request_id] = Route(cmd.loop, cmd.sink, track)
+        resolve_future(cmd.loop, cmd.future, None)
 
     def _dispatch(self, outputs: list[Any]) -> None:
         # one wake-up of each event loop per step, not one per output: every
@@ -220,7 +220,7 @@ class EngineLoop:
                 del self._routes[out.request_id]
         for loop, items in batches.items():
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(put_all, items)
             except RuntimeError:  # the event loop is closed: nobody is waiting any more
                 pass
 
@@ -270,7 +270,7 @@ def drain(cmds: queue.SimpleQueue, wait_s: Optional[float]) -> list[Any]:
             return out
 
 
-def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
+def resolve_future(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
              exc: Optional[BaseException] = None) -> None:
     """Complete an asyncio future from the loop thread."""
     def done() -> None:
@@ -286,12 +286,12 @@ def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any =
         pass
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+def put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
     for sink, item in items:
         sink.put_nowait(item)
 
 
-def _deliver(route: _Route, item: Any) -> None:
+def _deliver(route: Route, item: Any) -> None:
     try:
         route.loop.call_soon_threadsafe(route.sink.put_nowait, item)
     except RuntimeError:
