@@ -28,6 +28,8 @@ from sparseserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from sparseserve.server.serving import ServingContext
 from sparseserve.server.serving_chat import create_chat_completion
 from sparseserve.server.serving_completions import create_completion
+from sparseserve.server.serving_tokenize import (DetokenizeRequest, TokenizeRequest, detokenize,
+                                                 tokenize)
 
 logger = logging.getLogger("sparseserve.server")
 
@@ -71,6 +73,14 @@ def create_app(engine: Any, *, served_model_names: Optional[list[str]] = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize_endpoint(body: TokenizeRequest) -> dict:
+        return await tokenize(ctx, body)
+
+    @app.post("/detokenize")
+    async def detokenize_endpoint(body: DetokenizeRequest) -> dict:
+        return await detokenize(ctx, body)
 
     @app.get("/v1/models")
     async def models() -> dict:

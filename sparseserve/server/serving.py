@@ -210,7 +210,7 @@ class ServingContext:
             self._local.tok = tok
         return tok
 
-    async def _in_tokenizer_thread(self, fn: Any) -> Any:
+    async def in_tokenizer_thread(self, fn: Any) -> Any:
         """Run fn(tokenizer) in the pool with that thread's tokenizer."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tok_pool, lambda: fn(self._thread_tokenizer()))
@@ -223,7 +223,7 @@ class ServingContext:
         if self.tokenizer is None:
             raise APIError("This model has no tokenizer; send the prompt as token ids.", param="prompt")
         self.check_chars(len(item), "prompt")
-        ids = await self._in_tokenizer_thread(lambda tok: tok.encode(item, add_special_tokens=True))
+        ids = await self.in_tokenizer_thread(lambda tok: tok.encode(item, add_special_tokens=True))
         return Prompt(item, list(ids))
 
     async def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool,
@@ -255,7 +255,7 @@ class ServingContext:
             return text, list(ids)
 
         try:
-            text, ids = await self._in_tokenizer_thread(render)
+            text, ids = await self.in_tokenizer_thread(render)
         except APIError:
             raise
         except Exception as e:  # jinja errors (e.g. roles must alternate)
