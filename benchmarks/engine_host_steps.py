@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    a.batches = [int(x) for x in str(a.batches).split(",")] if isinstance(a.batches, str) else a.batches
+    a.batches = [int(x) for x in a.batches.split(",")]
     if a.worker_out:
         worker(a)
         return 0

@@ -23,7 +23,8 @@ import threading
 from typing import Any, Optional
 
 from sparseserve.server.engine_errors import EngineDeadError, ServerShutdownError
-from sparseserve.server.engine_loop import CUT, STOP, AbortCmd, AddCmd, CallCmd, Route, resolve_future
+from sparseserve.server.engine_loop import (CUT, STOP, AbortCmd, AddCmd, CallCmd, Route,
+                                            deliver_all, resolve_future)
 from sparseserve.server.output_deltas import DeltaAssembler
 
 logger = logging.getLogger("sparseserve.server")
@@ -184,7 +185,7 @@ class EngineProcessLoop:
             with self._lock:
                 routes, self._routes = list(self._routes.values()), {}
             for route in routes:
-                _deliver_all(route.loop, [(route.sink, dead)])
+                deliver_all(route.loop, [(route.sink, dead)])
             self.fail_pending(dead)
 
     def _on_added(self, results: list[tuple[str, Any]], stats: dict[str, Any]) -> None:
@@ -230,7 +231,7 @@ class EngineProcessLoop:
                 with self._lock:
                     self._routes.pop(out.request_id, None)
         for loop, items in batches.items():
-            _deliver_all(loop, items)
+            deliver_all(loop, items)
 
     def _on_cut(self, rids: list[str]) -> None:
         cut = ServerShutdownError("the server is shutting down")
@@ -242,7 +243,7 @@ class EngineProcessLoop:
         for route in routes:
             if self.metrics is not None and route.track is not None:
                 self.metrics.observe_abort(route.track)
-            _deliver_all(route.loop, [(route.sink, cut)])
+            deliver_all(route.loop, [(route.sink, cut)])
         # adds sent before the cut reached the engine fail like the running requests (the
         # engine may accept them after the cut: abort them there); calls still get answers
         with self._lock:
@@ -273,11 +274,3 @@ class EngineProcessLoop:
             self.proc.join(5)
         self._out.close()
 
-
-def _deliver_all(loop: Any, items: list[tuple[Any, Any]]) -> None:
-    from sparseserve.server.engine_loop import put_all
-
-    try:
-        loop.call_soon_threadsafe(put_all, items)
-    except RuntimeError:  # the event loop is closed: nobody is waiting any more
-        pass

@@ -152,7 +152,7 @@ class EngineLoop:
             logger.exception("sparseserve engine loop died")
             dead = EngineDeadError(f"engine loop died: {type(e).__name__}: {e}")
             for route in self._routes.values():
-                _deliver(route, dead)
+                deliver_all(route.loop, [(route.sink, dead)])
             self._routes.clear()
             self.fail_pending(dead)
 
@@ -203,8 +203,7 @@ class EngineLoop:
         resolve_future(cmd.loop, cmd.future, None)
 
     def _dispatch(self, outputs: list[Any]) -> None:
-        # one wake-up of each event loop per step, not one per output: every
-        # call_soon_threadsafe writes the loop's self-pipe, which the loop must read back
+        # one wake-up of each event loop per step, not one per output
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         for out in outputs:
             route = self._routes.get(out.request_id)
@@ -219,10 +218,7 @@ class EngineLoop:
             if out.finished:
                 del self._routes[out.request_id]
         for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(put_all, items)
-            except RuntimeError:  # the event loop is closed: nobody is waiting any more
-                pass
+            deliver_all(loop, items)
 
     def _refresh_stats(self, fresh: bool = True) -> None:
         try:
@@ -248,7 +244,7 @@ class EngineLoop:
             route = self._routes.pop(rid)
             if self.metrics is not None and route.track is not None:
                 self.metrics.observe_abort(route.track)
-            _deliver(route, cut)
+            deliver_all(route.loop, [(route.sink, cut)])
         self.num_cut += len(rids)
         self.fail_pending(cut)
         return bool(rids)
@@ -271,7 +267,7 @@ def drain(cmds: queue.SimpleQueue, wait_s: Optional[float]) -> list[Any]:
 
 
 def resolve_future(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
-             exc: Optional[BaseException] = None) -> None:
+                   exc: Optional[BaseException] = None) -> None:
     """Complete an asyncio future from the loop thread."""
     def done() -> None:
         if fut.done():
@@ -286,13 +282,15 @@ def resolve_future(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result:
         pass
 
 
-def put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+def deliver_all(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:
+    """Put each (stream queue, item) of `items` into its queue on `loop`, with one wake-up of
+    the loop for all of them (every call_soon_threadsafe writes the loop's self-pipe)."""
+    try:
+        loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:  # the event loop is closed: nobody is waiting any more
+        pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
     for sink, item in items:
         sink.put_nowait(item)
-
-
-def _deliver(route: Route, item: Any) -> None:
-    try:
-        route.loop.call_soon_threadsafe(route.sink.put_nowait, item)
-    except RuntimeError:
-        pass

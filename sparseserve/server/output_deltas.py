@@ -14,6 +14,7 @@ front end also drops it when it aborts a request (`drop`).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -41,7 +42,7 @@ class DeltaEncoder:
         for o in out.outputs:
             start = sent.tokens.get(o.index, 0)
             prev = sent.texts.get(o.index, "")
-            keep = len(prev) if o.text.startswith(prev) else _common_prefix(prev, o.text)
+            keep = len(prev) if o.text.startswith(prev) else len(os.path.commonprefix([prev, o.text]))
             choices.append((o.index, o.token_ids[start:], keep, o.text[keep:],
                             None if o.logprobs is None else o.logprobs[start:],
                             o.cumulative_logprob, o.finish_reason, o.stop_reason))
@@ -99,10 +100,3 @@ class DeltaAssembler:
     def drop(self, request_id: str) -> None:
         self._state.pop(request_id, None)
 
-
-def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
