@@ -194,13 +194,13 @@ def test_explicit_flags_override_the_preset(model_dir):
 @pytest.mark.parametrize("control", [True, False], ids=["wc", "no-wc"])
 def test_fused_retrieve_drives_the_engine_under_eviction(model_dir, control):
     """The fused retrieve kernels (Triton's interpreter here; compiled on a GPU) in the engine
-    under eviction pressure (48 slots, 12 requests of 7-9 pages per head, layer-segmented and
-    chunked prefill over the two tiers): the residency index stays exact after every step
-    (stale entries, self-rebuilds), pages really are loaded and evicted, and the tokens equal
-    the all-resident engine's."""
-    lengths = [97 + 3 * i for i in range(12)]
+    under eviction pressure (48 slots, 8 requests of 7-8 pages per head: ~60 pages of working
+    sets per KV head, so decode evicts every step; layer-segmented and chunked prefill over the
+    two tiers): the residency index stays exact after every step (stale entries, self-rebuilds),
+    pages really are loaded and evicted, and the tokens equal the all-resident engine's."""
+    lengths = [97 + 3 * i for i in range(8)]
     ps = prompts(lengths, seed=3)
-    params = [greedy(24)] * len(ps)
+    params = [greedy(16)] * len(ps)
     ref = resident(model_dir, ps, params)
     llm = offload_llm(model_dir, 48, working_set_control=control, max_num_batched_tokens=64)
     off = llm.engine.runner.offload
@@ -215,7 +215,9 @@ def test_fused_retrieve_drives_the_engine_under_eviction(model_dir, control):
                 done[out.request_id] = out.outputs[0].token_ids
         off.check_invariants()
     assert [done[str(i)] for i in range(len(ps))] == ref
-    assert eng.get_stats()["pages_loaded_total"] > 0
+    stats = eng.get_stats()
+    # decode really missed: selected pages had been evicted and were loaded back
+    assert stats["cache_misses_total"] > 0 and stats["pages_loaded_total"] > 0, stats
     assert int((off.page_of[:, :-1] >= 0).sum()) == 0  # every slot freed with its request
 
 
