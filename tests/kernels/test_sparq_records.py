@@ -84,12 +84,18 @@ def test_channel_choice_and_width_cache_in_records(Hq, Hkv):
     assert torch.equal(again, chosen)  # read back from the records
 
 
-@pytest.mark.parametrize("dtype,ps", [(torch.bfloat16, 32), (torch.bfloat16, 16),
-                                      (torch.float32, 16), (torch.float32, 32),
-                                      (torch.bfloat16, 64), (torch.float16, 32)],
-                         ids=["bf16-p32", "bf16-p16", "f32-p16", "f32-p32-strided",
-                              "bf16-p64-strided", "f16-p32"])
-@pytest.mark.parametrize("Hq,Hkv", [(8, 2), (4, 4)], ids=["gqa", "mha"])
+_LAYOUTS = {"bf16-p32": (torch.bfloat16, 32), "bf16-p16": (torch.bfloat16, 16),
+            "f32-p16": (torch.float32, 16), "f32-p32-strided": (torch.float32, 32),
+            "bf16-p64-strided": (torch.bfloat16, 64), "f16-p32": (torch.float16, 32)}
+# every dtype / page size with GQA; MHA (twice the interpreter time per case) on one case of
+# each record shape (whole-record p32, strided, p16) - the head mapping is layout-independent
+_CASES = [("gqa", n) for n in _LAYOUTS] + [("mha", n) for n in
+                                          ("bf16-p32", "f32-p32-strided", "f32-p16")]
+
+
+@pytest.mark.parametrize("Hq,Hkv,dtype,ps", [
+    pytest.param(*{"gqa": (8, 2), "mha": (4, 4)}[h], *_LAYOUTS[n], id=f"{h}-{n}")
+    for h, n in _CASES])
 def test_scores_and_selection_equal_the_first_layout(Hq, Hkv, dtype, ps):
     """Per-head scores (the generic kernel; the fused select's score phase through
     ``scores_out``, both versions, fused and split) and the selected pages are bit-identical
