@@ -92,6 +92,8 @@ def compare(result: dict) -> dict:
             # goodput ratio: both rates measured and finite (an `inf` goodput has no ratio)
             "goodput_x": (_div(rate_value(g), rate_value(g_dense)) if None not in (g, g_dense)
                           and math.isfinite(rate_value(g) * rate_value(g_dense)) else None),
+            "goodput_quality": goodput_quality(pts, g, result["presets"]["dense"].get("points")
+                                               or [], g_dense),
             "per_rate": per_rate,
             "saturation_throughput_x": sat,
             "throughput_x_at_highest_rate": top and top["throughput_x"],
@@ -115,6 +117,27 @@ def goodput(points: list[dict], tbt_slo_ms: float, queue_slo_s: float):
           and p.get("p99_itl_ms") is not None and p["p99_itl_ms"] <= tbt_slo_ms
           and (p.get("mean_queue_s") or 0) <= queue_slo_s]
     return max(ok, key=lambda p: rate_value(p["rate"]))["rate"] if ok else None
+
+
+def goodput_is_bracketed(points: list[dict], rate) -> bool:
+    """Whether a measured point above `rate` (the goodput) missed the SLOs: only then is the
+    goodput the preset's, not a floor under it (its ladder stopped while it still met them)."""
+    if rate is None:
+        return True  # no rate met: "below the lowest probed" is what was measured
+    above = [p for p in points if p.get("completed") is not None
+             and rate_value(p["rate"]) > rate_value(rate)]
+    return bool(above)
+
+
+def goodput_quality(points: list[dict], rate, dense_points: list[dict], dense_rate) -> str:
+    """How a goodput ratio relates to the truth: "exact" when both goodputs are bracketed by a
+    failing higher rate; a ladder that stopped while meeting the SLOs makes its goodput a floor,
+    so the ratio is a "lower bound" (this preset's floor), an "upper bound" (dense's floor), or
+    "undetermined" (both floors)."""
+    mine = goodput_is_bracketed(points, rate)
+    dense = goodput_is_bracketed(dense_points, dense_rate)
+    return {(True, True): "exact", (False, True): "lower bound",
+            (True, False): "upper bound", (False, False): "undetermined"}[(mine, dense)]
 
 
 def _x(v, digits: int = 2) -> str:
@@ -152,7 +175,7 @@ def table(result: dict) -> str:
                 f"{c['ttft_x_lower_best_rate']} ({c['ttft_x_lower_best_quality']}; target >= "
                 f"{TARGETS['ttft_x_lower']}x: {_met(c['ttft_target_met'])}), "
                 f"{_x(c['ttft_x_lower_at_highest_rate'])}x at the highest rate; goodput "
-                f"{_x(c.get('goodput_x'))}x")
+                f"{_x(c.get('goodput_x'))}x ({c.get('goodput_quality')})")
     if result.get("errors"):
         out += "\nerrors: " + "; ".join(f"{e['part']}: {e['error'][:120]}" for e in result["errors"])
     return out

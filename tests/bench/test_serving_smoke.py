@@ -121,6 +121,21 @@ def test_ratio_rules():
     result["presets"]["dense"]["goodput_rate"] = 0.5
     result["presets"]["sparseserve"]["goodput_rate"] = 1.5
     assert R.compare(result)["sparseserve"]["goodput_x"] == pytest.approx(3.0)
+    # each ladder has a probed point above its goodput (dense 1.0 and inf, sparseserve inf),
+    # and those points missed: both goodputs are bracketed, the ratio is exact
+    assert R.compare(result)["sparseserve"]["goodput_quality"] == "exact"
+    # sparseserve meets the SLOs at the top of its ladder: its goodput is a floor
+    result["presets"]["sparseserve"]["points"] = [pt(1.0, 1, 1), pt(2.0, 1, 1)]
+    result["presets"]["sparseserve"]["goodput_rate"] = 2.0
+    assert R.compare(result)["sparseserve"]["goodput_quality"] == "lower bound"
+    # ... and so does dense: neither goodput is known, the ratio says nothing
+    result["presets"]["dense"]["points"] = [pt(0.5, 1, 1), pt(1.0, 1, 1)]
+    result["presets"]["dense"]["goodput_rate"] = 1.0
+    assert R.compare(result)["sparseserve"]["goodput_quality"] == "undetermined"
+    assert "goodput 2.00x (undetermined)" in R.table({**result, "comparison": R.compare(result)})
+    # only dense's is a floor: the ratio can only be lower than shown
+    result["presets"]["sparseserve"]["points"] = [pt(1.0, 1, 1), pt(2.0, 1, 1), pt(3.0, 1, 1)]
+    assert R.compare(result)["sparseserve"]["goodput_quality"] == "upper bound"
     result["presets"]["sparseserve"]["goodput_rate"] = "inf"  # no finite ratio
     assert R.compare(result)["sparseserve"]["goodput_x"] is None
 
