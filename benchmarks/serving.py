@@ -201,6 +201,9 @@ def _log_point(deadline, preset: str, p: dict) -> None:
                         f"{st['outside_exec_s']:.1f} s outside execute")
 
 
+EXTRA_RUNGS = 4  # --extend-ladder probes at most this many rates past a preset's list
+
+
 def run_preset(a, preset: str, model: str, vocab: int, device: str, dtype: str, deadline,
                stop_at: float, result: dict, save) -> None:
     """Build the preset's engine, warm it up, sweep the rates until `stop_at` (perf_counter)."""
@@ -228,7 +231,7 @@ def run_preset(a, preset: str, model: str, vocab: int, device: str, dtype: str, 
                               random_output_len=a.random_output_len)
         rec["prompt_tokens"] = sum(r.prompt_len for r in reqs)
         rec["max_tokens"] = sum(r.output_len for r in reqs)
-        rates = a.rates_of.get(preset, a.rates)
+        rates = list(a.rates_of.get(preset, a.rates))  # grows when --extend-ladder probes on
         for j, rate in enumerate(rates):
             spans = [float(arrival_offsets(a.num_prompts, r, 1.0, a.seed)[-1]) for r in rates[j:]]
             left = stop_at - time.perf_counter()
@@ -243,6 +246,14 @@ def run_preset(a, preset: str, model: str, vocab: int, device: str, dtype: str, 
             rec["points"].append(point)
             _log_point(deadline, preset, point)
             save()
+            if j == len(rates) - 1 and len(rates) < len(a.rates_of.get(preset, a.rates)) + \
+                    EXTRA_RUNGS:
+                nxt = R.next_rung(point, R.tbt_slo_ms(result, a.tbt_slo_ms), a.queue_slo_s,
+                                  a.extend_ladder)
+                if nxt is not None:
+                    E.log(deadline, f"  {preset}: met the SLOs at its highest rate {rate:g}; "
+                                    f"probing {nxt:g} (--extend-ladder)")
+                    rates.append(nxt)
     except Exception as exc:  # noqa: BLE001 - record and go on with the next preset
         E.fail(deadline, result, preset, exc)
         rec.update(C.error_record(exc))
@@ -288,6 +299,11 @@ def parse_args(argv=None):
     p.add_argument("--tbt-slo-ms", type=float, default=None,
                    help="P99 TBT SLO (default 25x the dense preset's mean TBT at its lowest rate)")
     p.add_argument("--queue-slo-s", type=float, default=2.0)
+    p.add_argument("--extend-ladder", type=float, default=None, metavar="FACTOR",
+                   help="after a configuration's rates, while its highest point met both SLOs, "
+                        f"probe FACTOR x that rate (up to {EXTRA_RUNGS} more): a goodput is "
+                        "measured only once a higher rate misses. Needs the TBT SLO before the "
+                        "ladders: --tbt-slo-ms, or dense first in --presets")
     p.add_argument("--time-budget-s", type=float, default=480, help="the whole run")
     p.add_argument("--profile-steps", type=step_range, default=[], metavar="A:B[,C:D]",
                    help="step indices of each point run under torch.profiler (diagnosis: they "
@@ -322,6 +338,13 @@ def parse_args(argv=None):
     a.rates_of = rates_of
     if any(not r > 0 for rs in (a.rates, *rates_of.values()) for r in rs):
         raise SystemExit("--rates / --rates-of: every rate must be > 0 (or inf)")
+    if a.extend_ladder is not None:
+        if not a.extend_ladder > 1:
+            raise SystemExit(f"--extend-ladder {a.extend_ladder:g}: the factor must be > 1")
+        if not a.tbt_slo_ms and a.names[0] != "dense":
+            raise SystemExit("--extend-ladder needs the TBT SLO before the ladders run: pass "
+                             "--tbt-slo-ms, or put dense first in --presets (its lowest rate "
+                             "sets the SLO)")
     return a
 
 
@@ -352,9 +375,7 @@ def main(argv=None) -> int:
                 continue
             run_preset(a, name, model, cfg["vocab_size"], device, dtype, deadline,
                        time.perf_counter() + share, result, save)
-    dense = [p for p in result["presets"].get("dense", {}).get("points") or []
-             if p.get("mean_itl_ms") is not None]
-    slo = a.tbt_slo_ms or (25 * dense[0]["mean_itl_ms"] if dense else math.inf)
+    slo = R.tbt_slo_ms(result, a.tbt_slo_ms) or math.inf
     result["settings"]["tbt_slo_ms_used"] = slo
     for rec in result["presets"].values():
         rec["goodput_rate"] = R.goodput(rec.get("points") or [], slo, a.queue_slo_s)

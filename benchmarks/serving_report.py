@@ -119,6 +119,29 @@ def goodput(points: list[dict], tbt_slo_ms: float, queue_slo_s: float):
     return max(ok, key=lambda p: rate_value(p["rate"]))["rate"] if ok else None
 
 
+def tbt_slo_ms(result: dict, override: float | None = None) -> float | None:
+    """The P99 TBT SLO: `override` (--tbt-slo-ms), else 25x the dense preset's mean TBT at its
+    lowest rate (SparseServe's definition); None while dense has no measured point."""
+    if override:
+        return override
+    dense = [p for p in result["presets"].get("dense", {}).get("points") or []
+             if p.get("mean_itl_ms") is not None]
+    return 25 * dense[0]["mean_itl_ms"] if dense else None
+
+
+def next_rung(point: dict, tbt_slo: float | None, queue_slo_s: float,
+              factor: float | None) -> float | None:
+    """The rate to probe after `point`, the last of its preset's ladder (serving.py
+    --extend-ladder): `factor` x its rate when it met both SLOs (until a higher rate misses, a
+    goodput is only a floor: goodput_quality), else None (no factor, no SLO yet, `inf`)."""
+    rate = rate_value(point["rate"])
+    if not factor or math.isinf(rate) or tbt_slo is None:
+        return None
+    if goodput([point], tbt_slo, queue_slo_s) is None:
+        return None
+    return round(rate * factor, 3)
+
+
 def goodput_is_bracketed(points: list[dict], rate) -> bool:
     """Whether a measured point above `rate` (the goodput) missed the SLOs: only then is the
     goodput the preset's, not a floor under it (its ladder stopped while it still met them)."""

@@ -162,6 +162,37 @@ def test_rates_of_each_configuration(tmp_path):
     assert r["settings"]["rates_of"] == {"dense": [7.0, 13.0]}
 
 
+def test_extend_ladder_probes_until_a_rate_misses(tmp_path):
+    """--extend-ladder: a preset that meets both SLOs at its highest listed rate goes on at
+    FACTOR x that rate (at most EXTRA_RUNGS more), so its goodput gets bracketed; a miss, `inf`
+    or an unknown SLO stops it; the SLO must be known before the ladders run."""
+    out = tmp_path / "x.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "serving.py"),
+                           "--smoke", "--out", str(out), "--presets", "dense", "--rates", "2",
+                           "--extend-ladder", "4", "--tbt-slo-ms", "1e6", "--queue-slo-s", "1e6"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pts = json.loads(out.read_text())["presets"]["dense"]["points"]
+    # every point meets SLOs this loose: the ladder grows by the most rungs allowed
+    assert [p["rate"] for p in pts] == [2.0 * 4 ** i for i in range(1 + S.EXTRA_RUNGS)]
+    assert all(p["completed"] == 6 for p in pts)
+    met = {"rate": 2.0, "completed": 6, "p99_itl_ms": 10.0, "mean_queue_s": 0.5}
+    assert R.next_rung(met, 20.0, 2.0, 1.5) == 3.0
+    assert R.next_rung(met, 5.0, 2.0, 1.5) is None  # missed the TBT SLO: bracketed
+    assert R.next_rung({**met, "mean_queue_s": 3.0}, 20.0, 2.0, 1.5) is None  # queueing
+    assert R.next_rung({**met, "truncated": True}, 20.0, 2.0, 1.5) is None  # cut: a miss
+    assert R.next_rung({**met, "rate": "inf"}, 20.0, 2.0, 1.5) is None
+    assert R.next_rung(met, None, 2.0, 1.5) is None  # no SLO yet
+    assert R.tbt_slo_ms({"presets": {"dense": {"points": [{"mean_itl_ms": 4.0}]}}}) == 100.0
+    assert R.tbt_slo_ms({"presets": {}}, 7.0) == 7.0 and R.tbt_slo_ms({"presets": {}}) is None
+    for bad, msg in ((["--presets", "dense", "--extend-ladder", "1"], "must be > 1"),
+                     (["--presets", "sparseserve,dense", "--extend-ladder", "2"], "dense first")):
+        with pytest.raises(SystemExit, match=msg):
+            S.parse_args(["--smoke", "--out", "x.json", *bad])
+    assert S.parse_args(["--smoke", "--out", "x.json", "--presets", "sparseserve,dense",
+                         "--extend-ladder", "2", "--tbt-slo-ms", "300"]).extend_ladder == 2.0
+
+
 def _documented_gpu_command() -> list[str]:
     with open(os.path.join(ROOT, "docs", "results", "serving.md")) as f:
         line = next(ln for ln in f if ln.startswith("source benchmarks/gpu_setup.sh;"))
