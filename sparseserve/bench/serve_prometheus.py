@@ -10,7 +10,9 @@ Reported (all deltas over the run):
   pages_loaded / pages_saved (dedicated page counters if the server has them), bytes_loaded /
   bytes_saved (host <-> device KV traffic), prompt_tokens / generation_tokens (the server's
   own token counts), mean_queue_time_s / mean_prefill_time_s (from the histograms' sum and
-  count; SparseServe's goodput needs the mean queueing delay), requests_<reason>.
+  count; SparseServe's goodput needs the mean queueing delay), requests_<reason>,
+  triton_compiles / triton_compile_s (Triton kernels compiled during the run: each one is a
+  stall some request paid).
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ COUNTERS = {
     "bytes_saved": "kv_bytes_saved_total",
     "prompt_tokens": "prompt_tokens_total",
     "generation_tokens": "generation_tokens_total",
+    "triton_compiles": "triton_compiles_total",
+    "triton_compile_s": "triton_compile_seconds_total",
 }
 HISTOGRAM_MEANS = {
     "mean_queue_time_s": "request_queue_time_seconds",

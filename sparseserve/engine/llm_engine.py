@@ -10,6 +10,7 @@ from sparseserve.engine.args import EngineArgs
 from sparseserve.engine.detokenizer import IncrementalDetokenizer
 from sparseserve.engine.output_processing import OutputProcessing, ParentRequest
 from sparseserve.engine.scheduler import Scheduler
+from sparseserve.kernels.compile_watch import WATCH as COMPILES
 from sparseserve.outputs import RequestOutput
 from sparseserve.request import Request, RequestStatus, SamplingParams
 from sparseserve.validation import INT64_MAX, INT64_MIN, ParamError
@@ -29,6 +30,8 @@ class LLMEngine(OutputProcessing):
                     cc.num_pages, f", {cc.num_host_pages} host pages" if cc.kv_offload else "")
         self.model_name = self.source.name
         self.tokenizer = load_tokenizer(self.source, tokenizer=args.tokenizer)
+        if self.config.device == "cuda":
+            COMPILES.install()  # counts the captures' and warm-up's compiles too
         self.executor = make_executor(self.config, self.source)
         self.runner = self.executor.runner  # the in-process ModelRunner; None with TP > 1
         # request id -> grammar matcher; the in-process sampler masks with the same dict
@@ -52,6 +55,7 @@ class LLMEngine(OutputProcessing):
             warm_up(self)
             self._drain()
             self.step_count = 0
+            COMPILES.arm()  # a compile from here on lands in a request: warned about
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -255,6 +259,7 @@ class LLMEngine(OutputProcessing):
             # device working set (slots per layer) its admitted requests were estimated at
             "num_waiting_for_slots": sched.num_waiting_for_slots,
             "estimated_working_set": sched.estimated_working_set,
+            **COMPILES.stats(),  # Triton compilations of this process (kernels/compile_watch.py)
         }
         tier = self.executor.offload_stats(fresh)  # summed over the TP ranks
         if tier is not None:

@@ -47,6 +47,8 @@ _STAT_COUNTERS = {
     "bytes_loaded_total": "bytes_loaded",
     "bytes_saved_total": "bytes_saved",
     "pages_loaded_total": "pages_loaded",
+    "triton_compiles_total": "triton_compiles",
+    "triton_compile_seconds_total": "triton_compile_seconds",
 }
 
 
@@ -115,6 +117,11 @@ class ServerMetrics:
             "Device slots per layer the last step's requests were estimated to need "
             "(working-set-aware batch control).")
         self.bytes_saved = counter("kv_bytes_saved", "KV bytes copied device -> host.")
+        self.triton_compiles = counter(
+            "triton_compiles", "Triton kernel compilations in the engine process (one while "
+            "serving is a shape the start-up warm-up missed; its time lands in a request).")
+        self.triton_compile_seconds = counter(
+            "triton_compile_seconds", "Seconds spent compiling Triton kernels in the engine process.")
         self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                          TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
