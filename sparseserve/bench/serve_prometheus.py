@@ -8,8 +8,8 @@ Reported (all deltas over the run):
   preemptions, kv_cache_hits / kv_cache_misses (selected pages found in / loaded into the
   device tier), kv_cache_hit_rate (hits / (hits + misses); None when both are 0 or absent),
   pages_loaded / pages_saved (dedicated page counters if the server has them), bytes_loaded /
-  bytes_saved (host <-> device KV traffic), prompt_tokens / generation_tokens (the server's
-  own token counts), mean_queue_time_s / mean_prefill_time_s (from the histograms' sum and
+  bytes_saved (host <-> device KV traffic), save_wait_s (the engine's host thread waiting on
+  saves), prompt_tokens / generation_tokens (the server's own token counts), mean_queue_time_s / mean_prefill_time_s (from the histograms' sum and
   count; SparseServe's goodput needs the mean queueing delay), requests_<reason>,
   triton_compiles / triton_compile_s (Triton kernels compiled during the run: each one is a
   stall some request paid).
@@ -33,6 +33,7 @@ COUNTERS = {
     "bytes_saved": "kv_bytes_saved_total",
     "prompt_tokens": "prompt_tokens_total",
     "generation_tokens": "generation_tokens_total",
+    "save_wait_s": "kv_save_wait_seconds_total",
     "triton_compiles": "triton_compiles_total",
     "triton_compile_s": "triton_compile_seconds_total",
 }

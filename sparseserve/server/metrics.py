@@ -47,6 +47,7 @@ _STAT_COUNTERS = {
     "bytes_loaded_total": "bytes_loaded",
     "bytes_saved_total": "bytes_saved",
     "pages_loaded_total": "pages_loaded",
+    "save_wait_seconds_total": "save_wait_seconds",
     "triton_compiles_total": "triton_compiles",
     "triton_compile_seconds_total": "triton_compile_seconds",
 }
@@ -117,6 +118,9 @@ class ServerMetrics:
             "Device slots per layer the last step's requests were estimated to need "
             "(working-set-aware batch control).")
         self.bytes_saved = counter("kv_bytes_saved", "KV bytes copied device -> host.")
+        self.save_wait_seconds = counter(
+            "kv_save_wait_seconds", "Seconds the engine's host thread waited on device -> host "
+            "KV saves (fences, page frees, staging space; two-tier cache).")
         self.triton_compiles = counter(
             "triton_compiles", "Triton kernel compilations in the engine process (one while "
             "serving is a shape the start-up warm-up missed; its time lands in a request).")

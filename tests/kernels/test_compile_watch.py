@@ -97,3 +97,4 @@ def test_counters_reach_metrics_and_bench_deltas(tiny_model_dirs, hooks):
     d = serve_prometheus.deltas(before, after)
     assert d["triton_compiles"] == 1.0 and d["triton_compile_s"] >= 0.0
     assert "triton_compiles" not in d["missing"]
+    assert d["save_wait_s"] == 0.0  # exported (a resident engine never waits on saves)
