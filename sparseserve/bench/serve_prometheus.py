@@ -9,8 +9,9 @@ Reported (all deltas over the run):
   device tier), kv_cache_hit_rate (hits / (hits + misses); None when both are 0 or absent),
   pages_loaded / pages_saved (dedicated page counters if the server has them), bytes_loaded /
   bytes_saved (host <-> device KV traffic), save_wait_s (the engine's host thread waiting on
-  saves), prompt_tokens / generation_tokens (the server's own token counts), mean_queue_time_s / mean_prefill_time_s (from the histograms' sum and
-  count; SparseServe's goodput needs the mean queueing delay), requests_<reason>,
+  saves), prompt_tokens / generation_tokens (the server's own token counts),
+  mean_queue_time_s / mean_prefill_time_s (from the histograms' sum and count; SparseServe's
+  goodput needs the mean queueing delay), requests_<reason>,
   triton_compiles / triton_compile_s (Triton kernels compiled during the run: each one is a
   stall some request paid).
 """
