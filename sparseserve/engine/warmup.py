@@ -38,32 +38,63 @@ def warmup_prompt_lens(page_size: int, max_model_len: int, decode_tokens: int) -
 def warm_up(engine, decode_tokens: int = 4, max_steps: int = 10_000) -> float:
     """Run the warm-up on `engine` (an LLMEngine with no requests); -> seconds it took.
 
-    The first prompt starts alone and decodes; the second arrives while it decodes, so a step
-    mixes decode rows (their CUDA graph) with an eager prefill (a hybrid step). Raises if the
-    engine cannot serve them: a cache too small for two short prompts cannot serve users."""
+    Three phases, each started when the previous one's requests produced their first token:
+    prompt A alone (a prefill-only step, then decode); prompt B while A decodes (a hybrid step:
+    one decode row beside a prefill); then, when max_num_seqs allows, two prompts together while
+    A and B decode (two decode rows beside two prefill chunks: Triton specialises integer
+    arguments on == 1, so a batch of one row does not compile the kernels of a batch of two).
+    A and B then stop (aborted), the last two finish. Raises if the engine cannot serve them:
+    a cache too small for a few short prompts cannot serve users."""
     if engine.has_unfinished_requests():
         raise RuntimeError("warm_up runs before the engine takes requests.")
     t0 = time.perf_counter()
     cfg = engine.config
-    lens = warmup_prompt_lens(cfg.cache.page_size, cfg.scheduler.max_model_len, decode_tokens)
+    sc = cfg.scheduler
+    lens = warmup_prompt_lens(cfg.cache.page_size, sc.max_model_len, decode_tokens)
     vocab = cfg.model.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
-    ids = [f"{WARMUP_PREFIX}{i}" for i in range(len(lens))]
-    prompts = [[(7 * t + 3) % vocab for t in range(n)] for n in lens]
-    engine.add_request(ids[0], {"prompt_token_ids": prompts[0]}, params)
-    started_second = len(ids) == 1
-    for _ in range(max_steps):
-        outs = engine.step()
-        if not started_second and any(o.request_id == ids[0] and o.outputs[0].token_ids
-                                      for o in outs):
-            engine.add_request(ids[1], {"prompt_token_ids": prompts[1]}, params)
-            started_second = True
-        if started_second and not engine.has_unfinished_requests():
-            break
-    else:
-        engine.abort_request(ids)
-        raise RuntimeError(f"the start-up warm-up did not finish in {max_steps} steps.")
+    together = max(0, min(2, sc.max_num_seqs - 2))  # phase 3's prompts
+    # A and B keep decoding through phase 3 (aborted after it); room: prompt + tokens fit
+    long_tokens = max(decode_tokens, min(decode_tokens + 64, sc.max_model_len - max(lens)))
+    phases = [[lens[0]], [lens[-1]], [lens[0], lens[-1]][:together]]
+    phases = [p for p in phases if p]
+    step_budget = [max_steps]
+    seen_token: set[str] = set()
+    n_done = 0
+
+    def prompt(n: int, i: int) -> dict:
+        return {"prompt_token_ids": [(7 * t + 3 + i) % vocab for t in range(n)]}
+
+    def run_until_tokens(ids: list[str]) -> None:
+        while not all(i in seen_token for i in ids):
+            if not engine.has_unfinished_requests():
+                return  # finished without a new token (cannot happen; never loop forever)
+            step_once()
+
+    def step_once() -> None:
+        if step_budget[0] <= 0:
+            engine.abort_request([f"{WARMUP_PREFIX}{i}" for i in range(n_done)])
+            raise RuntimeError(f"the start-up warm-up did not finish in {max_steps} steps.")
+        step_budget[0] -= 1
+        for o in engine.step():
+            if o.outputs and o.outputs[0].token_ids:
+                seen_token.add(o.request_id)
+
+    first_two = [f"{WARMUP_PREFIX}{i}" for i in range(min(2, len(phases)))]
+    for phase in phases:
+        ids = []
+        for n in phase:
+            rid = f"{WARMUP_PREFIX}{n_done}"
+            keeps_decoding = n_done < 2 and len(phases) == 3
+            params = SamplingParams(temperature=0.0, ignore_eos=True,
+                                    max_tokens=long_tokens if keeps_decoding else decode_tokens)
+            engine.add_request(rid, prompt(n, n_done), params)
+            ids.append(rid)
+            n_done += 1
+        run_until_tokens(ids)
+    engine.abort_request(first_two)  # A and B, if still decoding (finished ids are skipped)
+    while engine.has_unfinished_requests():
+        step_once()
     took = time.perf_counter() - t0
-    logger.info("warm-up: %d prompts (%s tokens) and %d decode steps each in %.2f s",
-                len(lens), "/".join(map(str, lens)), decode_tokens, took)
+    logger.info("warm-up: %d prompts (%s tokens) in %d phases, %.2f s", n_done,
+                "/".join(map(str, lens)), len(phases), took)
     return took

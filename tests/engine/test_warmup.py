@@ -61,6 +61,10 @@ def test_warm_up_leaves_no_trace(model_dir, config):
     finally:
         eng.executor.execute = execute
     assert any(d and p for d, p in chunks), chunks  # a hybrid step ran
+    # ... and one with two decode rows beside prefill work, and two prompts in one step
+    # (Triton specialises integer arguments on == 1: one row does not compile two rows' kernels)
+    assert any(d >= 2 and p >= 1 for d, p in chunks), chunks
+    assert any(p >= 2 for d, p in chunks), chunks
     assert not eng.has_unfinished_requests()
     assert not eng.scheduler.running and not eng.scheduler.waiting
     assert eng.num_free_pages() == free == eng.num_total_pages()
@@ -78,3 +82,14 @@ def test_warm_up_leaves_no_trace(model_dir, config):
         eng.add_request("busy", prompts()[1], PARAMS)
         warm_up(eng)
     eng.abort_request("busy")
+
+
+def test_warm_up_with_two_rows_skips_the_third_phase(model_dir):
+    """max_num_seqs = 2: no step can hold two decode rows beside a prefill; the warm-up runs its
+    first two phases and still leaves nothing behind."""
+    llm = LLM(model_dir, **{**CONFIGS["dense"], "max_num_seqs": 2})
+    eng = llm.engine
+    assert warm_up(eng) > 0
+    assert not eng.has_unfinished_requests()
+    assert eng.num_free_pages() == eng.num_total_pages()
+    eng.check_invariants()
