@@ -1,10 +1,10 @@
 """sparseserve: long-context LLM serving with dynamic sparse attention over a two-tier KV cache."""
 from sparseserve.outputs import CompletionOutput, Logprob, RequestOutput
-from sparseserve.request import SamplingParams
+from sparseserve.request import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutputKind",
+           "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
 
 
 def __getattr__(name: str):

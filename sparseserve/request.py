@@ -12,6 +12,17 @@ from typing import Any
 PENDING_TOKEN = -1
 
 
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs `LLMEngine.step()` returns for a request (vLLM's names and values):
+    CUMULATIVE, one after every step that gave it a token, each with everything so far
+    (streaming); FINAL_ONLY, only the finished one (offline `LLM.generate` / `LLM.chat`: no
+    per-step output is built, whose copies of the token ids, text and logprobs so far grow with
+    the output). vLLM's DELTA is not offered: the server streams deltas of cumulative outputs."""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop; names, defaults and rules follow vLLM.
@@ -56,6 +67,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: Any = None  # StructuredOutputsParams | dict | None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     MAX_LOGPROBS = 20
 

@@ -59,6 +59,13 @@ def check_sampling_params(p: Any) -> None:
     `top_k == 0` to -1 (both mean disabled) and clamp logit_bias values to [-100, 100]."""
     if _integer(p.n, "n") < 1:
         raise ParamError(f"n must be an integer >= 1, got {p.n!r}.", "n")
+    from sparseserve.request import RequestOutputKind
+    try:
+        p.output_kind = RequestOutputKind(p.output_kind)
+    except ValueError:
+        raise ParamError(f"output_kind must be one of {[k.name for k in RequestOutputKind]} "
+                         f"(DELTA is not offered: stream through the server), got "
+                         f"{p.output_kind!r}.", "output_kind") from None
     if _number(p.temperature, "temperature") < 0:
         raise ParamError(f"temperature must be >= 0 (0 = greedy), got {p.temperature}.", "temperature")
     if not 0.0 < _number(p.top_p, "top_p") <= 1.0:

@@ -1,13 +1,14 @@
 """The offline API, shaped like vLLM's: `LLM(...).generate(prompts, params)` and `.chat(...)`."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Sequence
 
 from sparseserve.engine.args import EngineArgs
 from sparseserve.engine.llm_engine import LLMEngine
 from sparseserve.outputs import RequestOutput
-from sparseserve.request import SamplingParams
+from sparseserve.request import RequestOutputKind, SamplingParams
 from sparseserve.validation import (ParamError, check_logit_bias_vocab, check_unicode,
                                     conversation)
 
@@ -43,6 +44,12 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts.")
         self._validate(prompts, params)
+        # only finished outputs are returned: the engine builds no per-step output for them
+        # (copies of each request's tokens, text and logprobs so far, every step); the
+        # caller's objects are left as they are
+        final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                 for p in params}
+        params = [final[id(p)] for p in params]
         ids = []
         try:
             for prompt, p in zip(prompts, params):

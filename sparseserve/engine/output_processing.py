@@ -14,7 +14,7 @@ from typing import Any
 
 from sparseserve.engine.detokenizer import IncrementalDetokenizer
 from sparseserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from sparseserve.request import Request, RequestStatus
+from sparseserve.request import Request, RequestOutputKind, RequestStatus
 
 
 @dataclass
@@ -31,6 +31,10 @@ class ParentRequest:
     logprob_rows: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
     cumulative_logprob: dict[str, tuple[int, float]] = field(default_factory=dict)  # (tokens summed, sum)
     prompt_logprobs: list[Any] | None = None  # RequestOutput.prompt_logprobs, once complete
+
+    @property
+    def final_only(self) -> bool:
+        return self.children[0].sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
 
 
 class OutputProcessing:
@@ -57,6 +61,8 @@ class OutputProcessing:
         outputs = []
         for pid, times in touched.items():
             parent = self._parents[pid]
+            if parent.final_only and not all(r.is_finished for r in parent.children):
+                continue  # RequestOutputKind.FINAL_ONLY: nothing is built until it finishes
             ro = self._make_output(parent, times)
             outputs.append(ro)
             if ro.finished:

@@ -120,3 +120,44 @@ def test_streamed_logprobs_are_built_once_and_never_change_under_the_consumer(sm
             for t, lp in zip(o.token_ids, o.logprobs):
                 total += lp[t].logprob
             assert o.cumulative_logprob == pytest.approx(total, abs=1e-9)
+
+
+def test_final_only_outputs_equal_the_cumulative_final(smollm2_llm):
+    """RequestOutputKind.FINAL_ONLY (what LLM.generate asks): step() returns nothing for the
+    request until it finishes, then an output equal field for field to the last cumulative
+    one (n = 2 samples, logprobs, prompt logprobs, a stop string); LLM.generate returns the
+    same and leaves the caller's SamplingParams as they were; a kind that is not offered is a
+    ParamError that says what to do."""
+    from sparseserve import RequestOutputKind
+    from sparseserve.validation import ParamError
+
+    engine = smollm2_llm.engine
+    kw = dict(n=2, temperature=1.0, seed=11, max_tokens=23, logprobs=2, prompt_logprobs=1,
+              stop=[" and"])
+    prompt = "List three fruits:"
+    finals = {}
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+        rid = f"kind-{kind.name}"
+        engine.add_request(rid, prompt, SamplingParams(**kw, output_kind=kind))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs.extend(engine.step())
+        assert outs[-1].finished and all(o.request_id == rid for o in outs)
+        if kind == RequestOutputKind.FINAL_ONLY:
+            assert len(outs) == 1  # no per-step output was built
+        else:
+            assert len(outs) > 1
+        finals[kind] = outs[-1]
+    a, b = finals[RequestOutputKind.CUMULATIVE], finals[RequestOutputKind.FINAL_ONLY]
+    assert a.prompt_logprobs == b.prompt_logprobs and a.prompt_token_ids == b.prompt_token_ids
+    for x, y in zip(a.outputs, b.outputs):
+        assert (x.text, x.token_ids, x.logprobs, x.finish_reason, x.stop_reason) == \
+            (y.text, y.token_ids, y.logprobs, y.finish_reason, y.stop_reason)
+        assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-9)
+    params = SamplingParams(**kw)
+    (c,) = smollm2_llm.generate(prompt, params, use_tqdm=False)
+    assert params.output_kind == RequestOutputKind.CUMULATIVE  # the caller's object unchanged
+    assert [o.token_ids for o in c.outputs] == [o.token_ids for o in a.outputs]
+    assert [o.text for o in c.outputs] == [o.text for o in a.outputs]
+    with pytest.raises(ParamError, match="DELTA is not offered"):
+        SamplingParams(output_kind=1)
