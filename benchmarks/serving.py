@@ -232,6 +232,7 @@ def run_preset(a, preset: str, model: str, vocab: int, device: str, dtype: str, 
         rec["prompt_tokens"] = sum(r.prompt_len for r in reqs)
         rec["max_tokens"] = sum(r.output_len for r in reqs)
         rates = list(a.rates_of.get(preset, a.rates))  # grows when --extend-ladder probes on
+        max_rungs = len(rates) + EXTRA_RUNGS
         for j, rate in enumerate(rates):
             spans = [float(arrival_offsets(a.num_prompts, r, 1.0, a.seed)[-1]) for r in rates[j:]]
             left = stop_at - time.perf_counter()
@@ -246,8 +247,7 @@ def run_preset(a, preset: str, model: str, vocab: int, device: str, dtype: str, 
             rec["points"].append(point)
             _log_point(deadline, preset, point)
             save()
-            if j == len(rates) - 1 and len(rates) < len(a.rates_of.get(preset, a.rates)) + \
-                    EXTRA_RUNGS:
+            if j == len(rates) - 1 and len(rates) < max_rungs:
                 nxt = R.next_rung(point, R.tbt_slo_ms(result, a.tbt_slo_ms), a.queue_slo_s,
                                   a.extend_ladder)
                 if nxt is not None:

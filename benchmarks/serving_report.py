@@ -147,9 +147,8 @@ def goodput_is_bracketed(points: list[dict], rate) -> bool:
     goodput the preset's, not a floor under it (its ladder stopped while it still met them)."""
     if rate is None:
         return True  # no rate met: "below the lowest probed" is what was measured
-    above = [p for p in points if p.get("completed") is not None
-             and rate_value(p["rate"]) > rate_value(rate)]
-    return bool(above)
+    return any(p.get("completed") is not None and rate_value(p["rate"]) > rate_value(rate)
+               for p in points)
 
 
 def goodput_quality(points: list[dict], rate, dense_points: list[dict], dense_rate) -> str:

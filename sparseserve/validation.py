@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from sparseserve.request import RequestOutputKind
+
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 PENALTY_LIMIT = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI, vLLM)
 LOGIT_BIAS_LIMIT = 100.0  # logit_bias values are clamped to [-100, 100] (vLLM)
@@ -59,7 +61,6 @@ def check_sampling_params(p: Any) -> None:
     `top_k == 0` to -1 (both mean disabled) and clamp logit_bias values to [-100, 100]."""
     if _integer(p.n, "n") < 1:
         raise ParamError(f"n must be an integer >= 1, got {p.n!r}.", "n")
-    from sparseserve.request import RequestOutputKind
     try:
         p.output_kind = RequestOutputKind(p.output_kind)
     except ValueError:

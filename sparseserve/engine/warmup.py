@@ -56,45 +56,35 @@ def warm_up(engine, decode_tokens: int = 4, max_steps: int = 10_000) -> float:
     # A and B keep decoding through phase 3 (aborted after it); room: prompt + tokens fit
     long_tokens = max(decode_tokens, min(decode_tokens + 64, sc.max_model_len - max(lens)))
     phases = [[lens[0]], [lens[-1]], [lens[0], lens[-1]][:together]]
-    phases = [p for p in phases if p]
-    step_budget = [max_steps]
+    phases = [p for p in phases if p]  # A, B and (when room) the two together
+    added: list[str] = []
     seen_token: set[str] = set()
-    n_done = 0
+    steps = 0
 
-    def prompt(n: int, i: int) -> dict:
-        return {"prompt_token_ids": [(7 * t + 3 + i) % vocab for t in range(n)]}
-
-    def run_until_tokens(ids: list[str]) -> None:
-        while not all(i in seen_token for i in ids):
-            if not engine.has_unfinished_requests():
-                return  # finished without a new token (cannot happen; never loop forever)
-            step_once()
-
-    def step_once() -> None:
-        if step_budget[0] <= 0:
-            engine.abort_request([f"{WARMUP_PREFIX}{i}" for i in range(n_done)])
+    def step() -> None:
+        nonlocal steps
+        if steps == max_steps:
+            engine.abort_request(added)
             raise RuntimeError(f"the start-up warm-up did not finish in {max_steps} steps.")
-        step_budget[0] -= 1
-        for o in engine.step():
-            if o.outputs and o.outputs[0].token_ids:
-                seen_token.add(o.request_id)
+        steps += 1
+        seen_token.update(o.request_id for o in engine.step()
+                          if o.outputs and o.outputs[0].token_ids)
 
-    first_two = [f"{WARMUP_PREFIX}{i}" for i in range(min(2, len(phases)))]
-    for phase in phases:
-        ids = []
+    for k, phase in enumerate(phases):
         for n in phase:
-            rid = f"{WARMUP_PREFIX}{n_done}"
-            keeps_decoding = n_done < 2 and len(phases) == 3
+            i = len(added)
+            keeps_decoding = k < 2 and len(phases) == 3
             params = SamplingParams(temperature=0.0, ignore_eos=True,
                                     max_tokens=long_tokens if keeps_decoding else decode_tokens)
-            engine.add_request(rid, prompt(n, n_done), params)
-            ids.append(rid)
-            n_done += 1
-        run_until_tokens(ids)
-    engine.abort_request(first_two)  # A and B, if still decoding (finished ids are skipped)
+            added.append(f"{WARMUP_PREFIX}{i}")
+            engine.add_request(added[-1], {"prompt_token_ids": [(7 * t + 3 + i) % vocab
+                                                                 for t in range(n)]}, params)
+        while engine.has_unfinished_requests() and not seen_token.issuperset(added):
+            step()
+    engine.abort_request(added[:2])  # A and B, if still decoding (finished ids are skipped)
     while engine.has_unfinished_requests():
-        step_once()
+        step()
     took = time.perf_counter() - t0
-    logger.info("warm-up: %d prompts (%s tokens) in %d phases, %.2f s", n_done,
+    logger.info("warm-up: %d prompts (%s tokens) in %d phases, %.2f s", len(added),
                 "/".join(map(str, lens)), len(phases), took)
     return took

@@ -32,7 +32,9 @@ class CompileWatch:
         self.compiles = 0
         self.seconds = 0.0
         self.armed = False  # True once the engine serves: later compiles are warned about
-        self._started: dict[tuple, float] = {}  # (thread, kernel key) -> start of its compile
+        # (thread, kernel key) -> start of its compile; Triton's key is hashable (it keys
+        # Triton's own kernel cache)
+        self._started: dict[tuple, float] = {}
         self._prev_pre: Optional[Callable[..., Any]] = None
         self._prev_post: Optional[Callable[..., Any]] = None
         self._installed = False
@@ -76,11 +78,11 @@ class CompileWatch:
     # Triton calls both hooks with keyword arguments (key, repr, fn, compile, is_manual_warmup,
     # already_compiled); **kw keeps us working when a Triton version adds one.
     def _before(self, *, key: Any = None, **kw: Any) -> Any:
-        self._started[(threading.get_ident(), _hashable(key))] = time.perf_counter()
+        self._started[(threading.get_ident(), key)] = time.perf_counter()
         return self._prev_pre(key=key, **kw) if self._prev_pre else None
 
     def _after(self, *, key: Any = None, repr: str = "?", **kw: Any) -> Any:
-        t0 = self._started.pop((threading.get_ident(), _hashable(key)), None)
+        t0 = self._started.pop((threading.get_ident(), key), None)
         took = time.perf_counter() - t0 if t0 is not None else 0.0
         with self._lock:
             self.compiles += 1
@@ -89,14 +91,6 @@ class CompileWatch:
             logger.warning("Triton compiled a kernel while serving (%.2f s; the start-up "
                            "warm-up did not cover this specialisation): %s", took, repr)
         return self._prev_post(key=key, repr=repr, **kw) if self._prev_post else None
-
-
-def _hashable(key: Any) -> Any:
-    try:
-        hash(key)
-        return key
-    except TypeError:
-        return repr(key)
 
 
 WATCH = CompileWatch()
