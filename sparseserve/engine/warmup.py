@@ -35,12 +35,26 @@ def warmup_prompt_lens(page_size: int, max_model_len: int, decode_tokens: int) -
     return sorted({max(1, min(n, room)) for n in lens})
 
 
+def continued_prompt_len(page_size: int, max_model_len: int, decode_tokens: int,
+                         chunk_tokens: int, cache_tokens: int) -> int:
+    """A prompt longer than one prefill chunk of `chunk_tokens` (max_num_batched_tokens, or
+    max_inject_tokens under layer-segmented prefill, which chunks a prompt to it), whole pages: its second chunk continues a prefix, the paged prefill kernel's only path,
+    which short prompts never reach (on the H200 its first compile cost a user's request
+    0.9 s: serving.md, twentieth session). At most a quarter of the cache's `cache_tokens`
+    and within max_model_len with room for `decode_tokens` (then it may fit one chunk)."""
+    room = max_model_len - decode_tokens - 1
+    cap = max(2 * page_size, cache_tokens // 4 // page_size * page_size)
+    n = max(2, chunk_tokens // page_size + 1) * page_size
+    return max(1, min(n, cap, room))
+
+
 def warm_up(engine, decode_tokens: int = 4, max_steps: int = 10_000) -> float:
     """Run the warm-up on `engine` (an LLMEngine with no requests); -> seconds it took.
 
     Three phases, each started when the previous one's requests produced their first token:
-    prompt A alone (a prefill-only step, then decode); prompt B while A decodes (a hybrid step:
-    one decode row beside a prefill); then, when max_num_seqs allows, two prompts together while
+    prompt A alone (a prefill-only step, then decode); prompt B, longer than a prefill chunk,
+    while A decodes (hybrid steps: one decode row beside a prefill, then beside a chunk that
+    continues B's prefix); then, when max_num_seqs allows, two prompts together while
     A and B decode (two decode rows beside two prefill chunks: Triton specialises integer
     arguments on == 1, so a batch of one row does not compile the kernels of a batch of two).
     A and B then stop (aborted), the last two finish. Raises if the engine cannot serve them:
@@ -51,11 +65,15 @@ def warm_up(engine, decode_tokens: int = 4, max_steps: int = 10_000) -> float:
     cfg = engine.config
     sc = cfg.scheduler
     lens = warmup_prompt_lens(cfg.cache.page_size, sc.max_model_len, decode_tokens)
+    continued = continued_prompt_len(cfg.cache.page_size, sc.max_model_len, decode_tokens,
+                                     sc.max_inject_tokens or sc.max_num_batched_tokens,
+                                     engine.num_total_pages() * cfg.cache.page_size)
     vocab = cfg.model.vocab_size
     together = max(0, min(2, sc.max_num_seqs - 2))  # phase 3's prompts
     # A and B keep decoding through phase 3 (aborted after it); room: prompt + tokens fit
-    long_tokens = max(decode_tokens, min(decode_tokens + 64, sc.max_model_len - max(lens)))
-    phases = [[lens[0]], [lens[-1]], [lens[0], lens[-1]][:together]]
+    longest = max(lens + [continued])
+    long_tokens = max(decode_tokens, min(decode_tokens + 64, sc.max_model_len - longest))
+    phases = [[lens[0]], [continued], [lens[0], lens[-1]][:together]]
     phases = [p for p in phases if p]  # A, B and (when room) the two together
     added: list[str] = []
     seen_token: set[str] = set()
@@ -86,5 +104,5 @@ def warm_up(engine, decode_tokens: int = 4, max_steps: int = 10_000) -> float:
         step()
     took = time.perf_counter() - t0
     logger.info("warm-up: %d prompts (%s tokens) in %d phases, %.2f s", len(added),
-                "/".join(map(str, lens)), len(phases), took)
+                " + ".join("/".join(map(str, p)) for p in phases), len(phases), took)
     return took

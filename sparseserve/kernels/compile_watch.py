@@ -89,8 +89,27 @@ class CompileWatch:
             self.seconds += took
         if self.armed:
             logger.warning("Triton compiled a kernel while serving (%.2f s; the start-up "
-                           "warm-up did not cover this specialisation): %s", took, repr)
+                           "warm-up did not cover this specialisation): %s", took,
+                           describe_compile(repr, kw.get("compile")))
         return self._prev_post(key=key, repr=repr, **kw) if self._prev_post else None
+
+
+def describe_compile(repr: str, compile: Any) -> str:
+    """The kernel and every argument's specialisation from the hook's `compile` dict
+    (signature {name: type}, constants {(index,): value}, configs [{(index,): attrs}]), e.g.
+    `_probe_kernel(pages_ptr: *i32/16, N: i32, FRESH=2)`: /16 marks a pointer or integer
+    specialised as divisible by 16. Triton 3.6's own `repr` lists the first argument only
+    (it indexes the cache key string), which cannot say what the warm-up missed. Falls back
+    to `repr` when the dict is not of that shape."""
+    try:
+        sig, consts = compile["signature"], compile.get("constants") or {}
+        attrs = (compile.get("configs") or [{}])[0]
+        parts = [f"{name}={consts.get((i,))!r}" if ty == "constexpr"
+                 else f"{name}: {ty}{'/16' if attrs.get((i,)) else ''}"
+                 for i, (name, ty) in enumerate(sig.items())]
+    except (TypeError, KeyError, AttributeError, IndexError):
+        return repr
+    return f"{repr.split('[', 1)[0]}({', '.join(parts)})"
 
 
 WATCH = CompileWatch()

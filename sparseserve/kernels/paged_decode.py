@@ -39,6 +39,9 @@ MAX_SPLITS = 64        # upper bound on splits per (request, KV head)
 PROGRAMS_PER_SM = 8    # split until B * Hkv * num_splits reaches this many programs per SM
 NO_SPLIT_PER_SM = 3    # ... unless B * Hkv alone already gives this many programs per SM
 _DEFAULT_SMS = 132     # H100 / H200 SXM; used off-GPU (interpreter)
+# the merge's split tile is sized for the most splits, not the step's: a constexpr that
+# followed the split count would compile a merge variant per power of two mid-serving
+_MERGE_BLOCK_S = 1 << (MAX_SPLITS - 1).bit_length()  # next power of two >= MAX_SPLITS
 _LOG2E = 1.4426950408889634
 
 
@@ -70,7 +73,12 @@ def _num_sms(device: torch.device) -> int:
     return _sms_of_cuda_device(index)
 
 
-@triton.jit
+# Outside CUDA graphs (hybrid steps, eager decode) the page table's width, the split size and
+# the metadata's place in its packed buffer change from step to step: not specialised on
+# (== 1, % 16, 16-byte alignment), else a new class compiles mid-serving (0.45 s on the H200,
+# serving.md twentieth session). They only index per-page loads; K/V strides stay specialised.
+@triton.jit(do_not_specialize=["stride_ptb", "stride_pth", "stride_npb", "pages_per_split"],
+            do_not_specialize_on_alignment=["pt_ptr", "np_ptr", "lpl_ptr"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, pt_ptr, np_ptr, lpl_ptr, o_ptr,
     ml_ptr,                      # [B, Hkv, NS, 2, BLOCK_G] fp32 workspace (split mode only)
@@ -145,7 +153,7 @@ def _paged_decode_kernel(
         tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NS"])  # the split count follows the step's widest row
 def _merge_splits_kernel(
     acc_ptr, ml_ptr, o_ptr,
     stride_ob, stride_oh,
@@ -258,6 +266,6 @@ def paged_decode_attention(q, k_cache, v_cache, page_table, num_pages, last_page
         Hkv, pages_per_split, SPLIT=True, **common)
     _merge_splits_kernel[(B, Hq)](
         acc, ml, out, out.stride(0), out.stride(1), Hkv, ns,
-        G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_S=max(2, triton.next_power_of_2(ns)),
+        G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_S=_MERGE_BLOCK_S,
         BLOCK_D=BLOCK_D, num_warps=4)
     return out

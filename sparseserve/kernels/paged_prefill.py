@@ -68,9 +68,13 @@ def _attend_tile(q, m_i, l_i, acc, j0, last, pos, pt_row, k_ptr, v_ptr, qk_scale
     return m_new, l_i, acc
 
 
-# the page table's strides vary with the step's widest chunk: one compiled kernel for all of
-# them (so the start-up warm_up compiles what serving runs)
-@triton.jit(do_not_specialize=["stride_pts", "stride_pth"])
+# the page table's strides vary with the step's widest chunk, and the metadata are slices of
+# one packed buffer: one compiled kernel for all of them (so the start-up warm_up compiles
+# what serving runs; a class it missed cost 0.9 s mid-serving on the H200, serving.md
+# twentieth session). The metadata are per-block scalar loads: alignment buys nothing.
+@triton.jit(do_not_specialize=["stride_pts", "stride_pth"],
+            do_not_specialize_on_alignment=["pt_ptr", "qb_ptr", "qe_ptr", "st_ptr", "bseq_ptr",
+                                            "bq0_ptr", "nblk_ptr"])
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, pt_ptr, qb_ptr, qe_ptr, st_ptr, bseq_ptr, bq0_ptr,
     nblk_ptr,                    # [1] int32 blocks in use (CHECK_BLOCKS: a grid sized for the most)

@@ -91,8 +91,10 @@ def _due(fill_ptr, H, FORCE: tl.constexpr):
 
 
 # program_id(1) is the layer: one launch serves one table or every layer's ([L, H] tables,
-# [L, S] reverse maps, [L, 2] fill counts; strides in elements)
-@triton.jit
+# [L, S] reverse maps, [L, 2] fill counts; strides in elements). Callers pass one layer's row
+# or a layer range (layer-segmented prefill), so the pointers' alignment varies with the layer:
+# not specialised on (a new class would compile mid-serving; hash probes gain nothing from it)
+@triton.jit(do_not_specialize_on_alignment=["table_ptr", "fill_ptr"])
 def _clear_kernel(table_ptr, fill_ptr, H, stride_t, FORCE: tl.constexpr, BLOCK: tl.constexpr):
     """table = -1 when a rebuild is due."""
     layer = tl.program_id(1).to(tl.int64)
@@ -102,7 +104,7 @@ def _clear_kernel(table_ptr, fill_ptr, H, stride_t, FORCE: tl.constexpr, BLOCK: 
                  mask=i < H)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["table_ptr", "page_of_ptr", "fill_ptr"])
 def _rebuild_kernel(table_ptr, page_of_ptr, fill_ptr, S, H, mask, stride_t, stride_p,
                     FORCE: tl.constexpr, BLOCK: tl.constexpr):
     """When a rebuild is due: insert every slot s < S with page_of[s] >= 0 into the cleared
@@ -117,7 +119,7 @@ def _rebuild_kernel(table_ptr, page_of_ptr, fill_ptr, S, H, mask, stride_t, stri
         insert_slots(table_ptr + layer * stride_t, p, s.to(tl.int32), pending, mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["fill_ptr"])
 def _finish_kernel(fill_ptr, H, FORCE: tl.constexpr):
     """After a rebuild the table holds exactly the inserted entries."""
     fill = fill_ptr + 2 * tl.program_id(0).to(tl.int64)
@@ -143,9 +145,11 @@ def probe_slots(table_ptr, page_of_ptr, p, active, mask, BLOCK: tl.constexpr):
     return res
 
 
-# sizes that change from step to step are not specialised on (== 1, % 16): a new size
-# class would compile a variant mid-serving, which the start-up warm-up cannot foresee
-@triton.jit(do_not_specialize=["N"])
+# sizes that change from step to step are not specialised on (== 1, % 16), nor pointers'
+# alignment (a layer's row, a slice of page ids): a new class would compile a variant
+# mid-serving, which the start-up warm-up cannot foresee
+@triton.jit(do_not_specialize=["N"],
+            do_not_specialize_on_alignment=["table_ptr", "page_of_ptr", "pages_ptr", "out_ptr"])
 def _lookup_kernel(table_ptr, page_of_ptr, pages_ptr, out_ptr, N, mask, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     p = tl.load(pages_ptr + i, mask=i < N, other=-1).to(tl.int64)

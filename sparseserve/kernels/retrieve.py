@@ -69,9 +69,14 @@ def _fresh_from(fresh_ptr, i, m, n, K, HK, FRESH: tl.constexpr):
     return f
 
 
-# sizes that change from step to step are not specialised on (== 1, % 16): a new size
-# class would compile a variant mid-serving, which the start-up warm-up cannot foresee
-@triton.jit(do_not_specialize=["N", "K", "HK"])
+# sizes that change from step to step are not specialised on (== 1, % 16), nor is the
+# alignment of the per-step inputs (slices of packed or double-buffered tensors: a page list's
+# offset, the pending-mark touch `marks[step % 2]`): a new class would compile a variant
+# mid-serving, which the start-up warm-up cannot foresee (the H200's HTTP TTFT stall:
+# serving.md, twentieth session). Their loads are per-entry gathers: alignment buys nothing.
+@triton.jit(do_not_specialize=["N", "K", "HK"],
+            do_not_specialize_on_alignment=["pages_ptr", "nsel_ptr", "fresh_ptr", "step_ptr",
+                                            "stamps_ptr", "sstep_ptr"])
 def _probe_kernel(pages_ptr, nsel_ptr, fresh_ptr, table_ptr, page_of_ptr, last_ptr, step_ptr,
                   slots_ptr, miss_ptr, mcount_ptr, cnt_ptr, stamps_ptr, sstep_ptr, N, K, HK,
                   mask, scratch_page, scratch_slot, FRESH: tl.constexpr,
@@ -188,9 +193,10 @@ def _place_kernel(key_ptr, counts_ptr, hist_ptr, need_ptr, out_ptr, S, NEED_N,
         first = tl.sum(tl.where(kidx == kk, above, 0), axis=0)
 
 
-# sizes that change from step to step are not specialised on (== 1, % 16): a new size
-# class would compile a variant mid-serving, which the start-up warm-up cannot foresee
-@triton.jit(do_not_specialize=["N", "K", "HK", "NUM_ZERO"])
+# as _probe_kernel: neither step-varying sizes nor per-step inputs' alignment specialised
+@triton.jit(do_not_specialize=["N", "K", "HK", "NUM_ZERO"],
+            do_not_specialize_on_alignment=["pages_ptr", "nsel_ptr", "rows_ptr", "fresh_ptr",
+                                            "step_ptr", "zero_ptr"])
 def _assign_kernel(pages_ptr, nsel_ptr, miss_ptr, mcount_ptr, order_ptr, rows_ptr, fresh_ptr,
                    page_of_ptr, last_ptr, owner_ptr, step_ptr, slots_ptr, load_src_ptr,
                    load_dst_ptr, nloads_ptr, table_ptr, fill_ptr, zero_ptr, N, K, HK, S, mask,

@@ -28,6 +28,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+ALIGN_WORDS = 4  # int32 words per 16 bytes: pack_to_device's array alignment
+
 
 def to_device(values: Any, dtype: Optional[torch.dtype], device: torch.device | str) -> torch.Tensor:
     """`values` as a tensor on `device` (see the module docstring for the copy's contract)."""
@@ -52,22 +54,27 @@ def fill_at(target: torch.Tensor, index: tuple[torch.Tensor, ...], value: float 
 def pack_to_device(p64: dict[str, np.ndarray], p32: dict[str, np.ndarray],
                    device: torch.device) -> dict[str, torch.Tensor]:
     """Host arrays as device tensors of their shapes (p64: int64, p32: int32) through one
-    host-to-device copy: one int32 buffer, the int64 ones first (8-byte aligned) and viewed
-    back as int64."""
-    a64 = [np.ascontiguousarray(a, dtype=np.int64).reshape(-1) for a in p64.values()]
-    a32 = [np.ascontiguousarray(a, dtype=np.int32).reshape(-1) for a in p32.values()]
-    n64 = sum(a.size for a in a64)
-    host = np.concatenate([np.concatenate(a64 or [np.zeros(0, np.int64)]).view(np.int32),
-                           *a32, np.zeros(1, np.int32)])
-    buf = to_device(host, torch.int32, device)
-    out: dict[str, torch.Tensor] = {}
-    d64 = buf[:2 * n64].view(torch.int64)
+    host-to-device copy: one int32 buffer, the int64 ones first and viewed back as int64.
+    Every array starts at a multiple of 16 bytes (ALIGN_WORDS int32 words): Triton specialises
+    a kernel on its pointers' 16-byte alignment, so an offset that moved with the arrays'
+    sizes would compile a new variant mid-serving (serving.md, twentieth session)."""
+    parts: list[np.ndarray] = []
+    offsets: list[tuple[str, int, tuple, bool]] = []  # name, int32 word offset, shape, is 64
     o = 0
-    for (name, a) in p64.items():
-        out[name] = d64[o:o + a.size].view(a.shape)
-        o += a.size
-    o = 2 * n64
-    for (name, a) in p32.items():
-        out[name] = buf[o:o + a.size].view(a.shape)
-        o += a.size
+    for arrays, is64 in ((p64, True), (p32, False)):
+        for name, a in arrays.items():
+            flat = np.ascontiguousarray(a, dtype=np.int64 if is64 else np.int32).reshape(-1)
+            words = flat.view(np.int32)
+            pad = -words.size % ALIGN_WORDS
+            parts += [words, np.zeros(pad, np.int32)]
+            offsets.append((name, o, np.shape(a), is64))
+            o += words.size + pad
+    buf = to_device(np.concatenate(parts + [np.zeros(1, np.int32)]), torch.int32, device)
+    out: dict[str, torch.Tensor] = {}
+    for name, start, shape, is64 in offsets:
+        n = int(np.prod(shape, dtype=np.int64))
+        if is64:
+            out[name] = buf[start:start + 2 * n].view(torch.int64).view(shape)
+        else:
+            out[name] = buf[start:start + n].view(shape)
     return out

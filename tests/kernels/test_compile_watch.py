@@ -65,6 +65,30 @@ def test_counts_keeps_earlier_hooks_and_warns_only_when_armed(hooks, caplog):
     assert w.compiles == 2 and calls[-1] == ("post", "after")
 
 
+def test_warning_names_every_arguments_specialisation(hooks, caplog):
+    """The warning spells out the specialisation from the hook's compile dict in Triton's
+    format (attrs parsed by Triton's CUDA backend): which pointer was 16-byte aligned, which
+    integer divisible by 16, each constexpr's value. Triton 3.6's own repr stops after the
+    first argument."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    backend = CUDABackend(GPUTarget("cuda", 90, 32))
+    signature = {"pages_ptr": "*i32", "step_ptr": "*i64", "N": "i32", "FRESH": "constexpr"}
+    compile = {"key": "k", "signature": signature, "constants": {(3,): 2},
+               "configs": [{(0,): backend.parse_attr("D"), (1,): backend.parse_attr(""),
+                            (2,): backend.parse_attr("D")}]}
+    w = CompileWatch()
+    w.install()
+    w.arm()
+    caplog.set_level(logging.WARNING, logger="sparseserve")
+    kw = dict(key="k", repr="_probe_kernel[num_warps=4](pages_ptr: (", fn=None,
+              compile=compile, is_manual_warmup=False, already_compiled=False)
+    hooks.jit_cache_hook(**kw)
+    hooks.jit_post_compile_hook(**kw)
+    w.uninstall()
+    assert "_probe_kernel(pages_ptr: *i32/16, step_ptr: *i64, N: i32/16, FRESH=2)" in caplog.text
+
+
 def test_counters_reach_metrics_and_bench_deltas(tiny_model_dirs, hooks):
     """A real engine's stats carry the counters; the server exports them; bench serve's
     deltas read them (0 compiles is a measurement, not a missing name)."""

@@ -7,7 +7,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from sparseserve.request import SamplingParams
-from sparseserve.worker.host_copy import to_device
+from sparseserve.worker.host_copy import pack_to_device, to_device
 from sparseserve.worker.penalties import apply_logit_bias
 from sparseserve.worker.sampler import Sampler, SamplingBatch
 
@@ -26,6 +26,24 @@ def test_same_tensor_as_torch_tensor(values, dtype):
     want = torch.tensor(values, dtype=dtype)
     assert got.device.type == "cpu" and got.dtype == want.dtype and got.shape == want.shape
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("sizes", [(0, 1), (1, 3), (3, 5), (2, 17), (5, 0)])
+def test_packed_arrays_round_trip_each_16_byte_aligned(sizes):
+    """pack_to_device: every array keeps its values, dtype and shape, and starts at a
+    16-byte boundary whatever the sizes before it (Triton specialises on that alignment: an
+    offset that moved with the sizes compiled new kernel variants mid-serving)."""
+    n64, n32 = sizes
+    rng = np.random.default_rng(n64 * 10 + n32)
+    p64 = {"a": rng.integers(-2**40, 2**40, n64), "b": rng.integers(0, 9, (n32, 2))}
+    p32 = {"c": rng.integers(-9, 9, n32).astype(np.int32), "d": np.arange(n64 + 1),
+           "e": rng.integers(0, 5, (1, n32 + 2))}
+    out = pack_to_device(p64, p32, torch.device("cpu"))
+    for name, a in {**p64, **p32}.items():
+        t = out[name]
+        assert t.dtype == (torch.int64 if name in p64 else torch.int32)
+        assert tuple(t.shape) == a.shape and t.tolist() == a.tolist()
+        assert t.data_ptr() % 16 == 0, (name, t.data_ptr() % 16)
 
 
 def test_device_given_as_a_string():

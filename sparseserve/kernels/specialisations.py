@@ -1,0 +1,123 @@
+"""What Triton would compile, seen on the CPU: the CUDA specialisation key of every launch that
+runs in Triton's interpreter (TRITON_INTERPRET=1).
+
+Why: on a GPU, Triton compiles one kernel per *specialisation* of its arguments — each
+integer is classed as == 1, divisible by 16 or neither, each pointer as 16-byte aligned or
+not, each constexpr by its value, each tensor by its dtype. A class first seen while serving
+costs a compile (0.2-1 s) that some request waits for: the sparseserve preset's HTTP TTFT
+stall on the H200 was ten such compiles of the retrieve kernels (docs/results/serving.md,
+twentieth session). The start-up warm-up (engine/warmup.py) must therefore reach every class
+serving reaches. On the CPU the interpreter compiles nothing, so this module computes the key
+Triton's CUDA launcher would compute — with Triton's own `native_specialize_impl` and a CUDA
+backend object (no GPU needed) — and records it per kernel. Tests run the engine's fused
+paths in the interpreter under a `SpecialisationLog` and compare what the warm-up recorded
+with what serving recorded.
+
+The key: one entry per kernel parameter, as Triton's binder builds it (`("constexpr", value)`,
+`("*i32", "D")` for an aligned int32 pointer, `("i32", "")` for an int that is neither 1 nor
+a multiple of 16, ...), honouring the kernel's `do_not_specialize` and
+`do_not_specialize_on_alignment`, plus the launch options (num_warps, num_stages).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+
+def _backend(capability: int):
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    return CUDABackend(GPUTarget("cuda", capability, 32))
+
+
+def _names(values, params: list[str]) -> set[str]:
+    """do_not_specialize entries are parameter names or indices."""
+    return {params[v] if isinstance(v, int) else v for v in (values or [])}
+
+
+def _is_constexpr(param: inspect.Parameter) -> bool:
+    ann = param.annotation  # a string under `from __future__ import annotations`
+    return ann is not inspect.Parameter.empty and str(getattr(ann, "__name__", ann)).endswith(
+        "constexpr")
+
+
+class SpecialisationLog:
+    """Records {kernel name: set of specialisation keys} for Triton launches in the
+    interpreter while installed. `install()` / `uninstall()` patch Triton's
+    `InterpretedFunction.run`; use as a context manager. `mark()` snapshots what was seen so
+    far; `new_since_mark()` -> {kernel: [keys first seen after the mark]}."""
+
+    def __init__(self, capability: int = 90) -> None:
+        self.keys: dict[str, set[tuple]] = {}
+        self._marked: dict[str, set[tuple]] = {}
+        self._backend = _backend(capability)
+        self._orig = None
+
+    def key(self, fn, kwargs_of_jit: dict, args: tuple, kwargs: dict) -> tuple:
+        """The key for one launch of python function `fn` (the kernel before @triton.jit)."""
+        from triton.runtime.jit import native_specialize_impl
+        sig = inspect.signature(fn)
+        params = list(sig.parameters)
+        bound_kw = {k: v for k, v in kwargs.items() if k in sig.parameters}
+        options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in sig.parameters))
+        bound = sig.bind(*args, **bound_kw)
+        bound.apply_defaults()
+        no_spec = _names(kwargs_of_jit.get("do_not_specialize"), params)
+        no_align = _names(kwargs_of_jit.get("do_not_specialize_on_alignment"), params)
+        entries = []
+        for name, p in sig.parameters.items():
+            value = bound.arguments[name]
+            if _is_constexpr(p):
+                entries.append((name, "constexpr", repr(value)))
+            else:
+                spec = native_specialize_impl(self._backend, value, False, name not in no_spec,
+                                              name not in no_align)
+                entries.append((name,) + tuple(str(s) for s in spec))
+        return tuple(entries) + options
+
+    def _record(self, interpreted, args: tuple, kwargs: dict) -> None:
+        key = self.key(interpreted.fn, interpreted.kwargs, args, kwargs)
+        self.keys.setdefault(interpreted.fn.__name__, set()).add(key)
+
+    def install(self) -> "SpecialisationLog":
+        from triton.runtime.interpreter import InterpretedFunction
+        if self._orig is not None:
+            return self
+        orig = self._orig = InterpretedFunction.run
+        log = self
+
+        def run(self, *args: Any, grid, warmup, **kwargs: Any):
+            log._record(self, args, kwargs)
+            return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+        InterpretedFunction.run = run
+        return self
+
+    def uninstall(self) -> None:
+        from triton.runtime.interpreter import InterpretedFunction
+        if self._orig is not None:
+            InterpretedFunction.run = self._orig
+            self._orig = None
+
+    def __enter__(self) -> "SpecialisationLog":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
+    def mark(self) -> None:
+        self._marked = {k: set(v) for k, v in self.keys.items()}
+
+    def new_since_mark(self) -> dict[str, list[tuple]]:
+        return {k: sorted(v - self._marked.get(k, set())) for k, v in self.keys.items()
+                if v - self._marked.get(k, set())}
+
+
+def describe_difference(new: tuple, seen: set[tuple]) -> str:
+    """The parameters in which `new` differs from the closest key in `seen` (for a failure
+    message: 'fresh_ptr: *i1 (was *i32), N: i32 "" (was "D")')."""
+    if not seen:
+        return "no launch of this kernel before"
+    best = min(seen, key=lambda k: sum(a != b for a, b in zip(k, new)))
+    return ", ".join(f"{a[0]}: {' '.join(map(str, a[1:]))} (was {' '.join(map(str, b[1:]))})"
+                     for a, b in zip(new, best) if a != b)
