@@ -32,6 +32,7 @@ class LLMEngine(OutputProcessing):
         self.tokenizer = load_tokenizer(self.source, tokenizer=args.tokenizer)
         if self.config.device == "cuda":
             COMPILES.install()  # counts the captures' and warm-up's compiles too
+            COMPILES.disarm()  # another engine of this process may have armed it
         self.executor = make_executor(self.config, self.source)
         self.runner = self.executor.runner  # the in-process ModelRunner; None with TP > 1
         # request id -> grammar matcher; the in-process sampler masks with the same dict

@@ -71,6 +71,11 @@ class CompileWatch:
         """From now on a compile is a cost some request pays: warn about each one."""
         self.armed = True
 
+    def disarm(self) -> None:
+        """An engine is being built (captures, warm-up): its compiles are expected, even when
+        an earlier engine of this process (a benchmark's previous preset) armed the watch."""
+        self.armed = False
+
     def stats(self) -> dict[str, float]:
         return {"triton_compiles_total": self.compiles,
                 "triton_compile_seconds_total": self.seconds}

@@ -104,7 +104,9 @@ def torch_store_decode_tokens(slots, num_sel, offsets, k, v, dev_k, dev_v,
     return last
 
 
-@triton.jit(do_not_specialize=["T"])
+# T and the entry table's strides follow the step's tokens (a one-entry step makes one of
+# them 1): not specialised, else a new class compiles mid-serving
+@triton.jit(do_not_specialize=["T", "stride_st", "stride_sh"])
 def _store_rows_kernel(slots_ptr, offs_ptr, ent_ptr, k_ptr, v_ptr, dk_ptr, dv_ptr, T, S,
                        stride_st, stride_sh, stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_ds, stride_dt, D: tl.constexpr, BLOCK_T: tl.constexpr,

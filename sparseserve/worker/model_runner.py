@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sparseserve import kernels
 from sparseserve.config import INJECT_CREDIT_FRACTION, EngineConfig, SparseConfig
 from sparseserve.engine.memory_plan import report_reserved
 from sparseserve.engine.sched_output import ScheduledChunk, SchedulerOutput
@@ -300,8 +301,13 @@ class ModelRunner(SamplingStep):
         prefills = [PrefillSeq(off, off + c.num_tokens, c.start, c.row, c.slot_free,
                                c.resident_pages)
                     for c, off in zip(chunks[num_decode:], offsets[num_decode:])]
-        width = None
-        if num_decode:  # pages of the longest decode request (known on the CPU: no sync)
+        width = None  # the table's full width (max_model_len in pages), as CUDA graphs use
+        if num_decode and (self.sparse is None or kernels.resolve_backend(None, rows) == "torch"):
+            # pages of the longest decode request (known on the CPU: no sync). Not for sparse
+            # decode by Triton (GPU): the select kernel is compiled per width class (its top-k tile
+            # is the width's power of two), so a width that followed the batch compiled new
+            # variants mid-serving (serving.md, twentieth session); at the full width it runs
+            # the variant the graphs captured, and stops at each row's own pages
             width = max(cdiv(c.start + 1, self.page_size) for c in chunks[:num_decode])
         args = (self.kv, self.pages, rows, positions, num_decode, prefills, self.scale)
         if self.offload is None:

@@ -5,13 +5,18 @@ specialisation the warm-up did not launch. On a GPU each such launch is a compil
 that a user's request waits for (the H200's HTTP TTFT stall, serving.md twentieth session).
 
 The keys are the CUDA launcher's own (`kernels/specialisations.py`: Triton's
-`native_specialize_impl` on the launch's arguments, computed under the interpreter), so the
-fused retrieve, residency index and paged prefill kernels are checked on the CPU exactly as
-they would be specialised on the H200."""
+`native_specialize_impl` on the launch's arguments, computed under the interpreter). Every
+kernel the GPU engine runs through `kernels.resolve_backend` runs as Triton here (page
+summaries and selection, slot stores, fused retrieve, residency index, paged prefill), so
+they are checked on the CPU exactly as they would be specialised on the H200; decode
+attention and the fused layer ops keep the CPU path (tests/kernels/test_specialisations.py
+covers eager decode)."""
 import random
 
 import pytest
 
+import sparseserve.kernels
+import sparseserve.kernels.residency_hash
 from sparseserve import LLM, SamplingParams
 from sparseserve.engine.warmup import warm_up
 from sparseserve.kernels.specialisations import SpecialisationLog, describe_difference
@@ -42,7 +47,13 @@ def model_dir(tiny_model_dirs):
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_serving_launches_only_what_the_warm_up_launched(model_dir, config, monkeypatch):
-    monkeypatch.setattr(ForwardContext, "paged_prefill_kernel", True)  # as on the GPU
+    # the GPU's kernel choices on CPU tensors (Triton's interpreter)
+    monkeypatch.setattr(ForwardContext, "paged_prefill_kernel", True)
+    resolve = sparseserve.kernels.resolve_backend
+    monkeypatch.setattr(sparseserve.kernels, "resolve_backend",
+                        lambda b, t: "triton" if b in (None, "auto") else resolve(b, t))
+    monkeypatch.setattr(sparseserve.kernels.residency_hash, "_backend",
+                        lambda t, b: "triton" if b in (None, "auto") else b)
     llm = LLM(model_dir, page_size=16, max_num_seqs=12, max_model_len=256, device="cpu",
               **CONFIGS[config])
     eng = llm.engine
@@ -59,7 +70,7 @@ def test_serving_launches_only_what_the_warm_up_launched(model_dir, config, monk
             for i in ARRIVALS.get(steps, []):
                 ids = [rng.randrange(3, 300) for _ in range(LENGTHS[i])]
                 eng.add_request(str(i), {"prompt_token_ids": ids},
-                                SamplingParams(temperature=0.0, max_tokens=6 + 3 * i,
+                                SamplingParams(temperature=0.0, max_tokens=4 + 2 * i,
                                                ignore_eos=True))
             eng.step()
             steps += 1
@@ -67,7 +78,8 @@ def test_serving_launches_only_what_the_warm_up_launched(model_dir, config, monk
         new = log.new_since_mark()
     assert "_paged_prefill_kernel" in warmed  # a chunk continuing a prefix ran in the warm-up
     if offload is not None:
-        assert {"_probe_kernel", "_assign_kernel", "_rebuild_kernel"} <= warmed.keys()
+        assert {"_probe_kernel", "_assign_kernel", "_rebuild_kernel", "_page_select_kernel",
+                "_page_summary_kernel", "_store_kernel", "_store_rows_kernel"} <= warmed.keys()
         offload.check_invariants()
     if config == "offload-evicting-chunked":
         assert eng.get_stats()["pages_loaded_total"] > 0  # serving really evicted and loaded

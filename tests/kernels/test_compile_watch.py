@@ -65,6 +65,23 @@ def test_counts_keeps_earlier_hooks_and_warns_only_when_armed(hooks, caplog):
     assert w.compiles == 2 and calls[-1] == ("post", "after")
 
 
+def test_a_new_engine_disarms_until_its_own_warm_up(hooks, caplog):
+    """Two engines in one process (a benchmark's presets one after another): the second's
+    captures and warm-up compile while the first's arm() still stands; disarm() (called when
+    an engine starts building) keeps those out of the warnings, and they still count."""
+    w = CompileWatch()
+    w.install()
+    caplog.set_level(logging.WARNING, logger="sparseserve")
+    w.arm()
+    w.disarm()
+    _compile(hooks, "second_engine_capture")
+    assert not caplog.records and w.compiles == 1
+    w.arm()
+    _compile(hooks, "served")
+    w.uninstall()
+    assert len(caplog.records) == 1 and "served" in caplog.text
+
+
 def test_warning_names_every_arguments_specialisation(hooks, caplog):
     """The warning spells out the specialisation from the hook's compile dict in Triton's
     format (attrs parsed by Triton's CUDA backend): which pointer was 16-byte aligned, which
