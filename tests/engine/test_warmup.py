@@ -7,7 +7,7 @@ import random
 import pytest
 
 from sparseserve import LLM, SamplingParams
-from sparseserve.engine.warmup import warm_up, warmup_prompt_lens
+from sparseserve.engine.warmup import continued_prompt_len, warm_up, warmup_prompt_lens
 
 PAGE_BYTES = 2 * 3 * 16 * 16 * 4  # K+V, 3 layers, page_size 16, head_dim 16, fp32 (llama-gqa)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
@@ -37,6 +37,17 @@ def test_prompt_lens_cover_both_specialisations():
     assert all(n % 32 for n in lens if n % 16)  # the odd one also ends inside a page
     assert warmup_prompt_lens(16, 20, 4) == [15]  # clamped: prompt + decode fit max_model_len
     assert warmup_prompt_lens(16, 3, 4) == [1]
+
+
+def test_continued_prompt_is_longer_than_a_chunk_within_its_caps():
+    """Phase 2's prompt: whole pages past one chunk (its second chunk continues a prefix),
+    unless max_model_len or a quarter of the cache does not allow it."""
+    n = continued_prompt_len(32, 132096, 4, 2048, 163840)
+    assert n == 2080 and n > 2048 and n % 32 == 0
+    assert continued_prompt_len(16, 256, 4, 48, 12800) == 64  # 48 -> the next whole page past it
+    assert continued_prompt_len(16, 256, 4, 2048, 12800) == 251  # max_model_len - 4 - 1
+    assert continued_prompt_len(16, 8192, 4, 2048, 1024) == 256  # a quarter of the cache
+    assert continued_prompt_len(16, 3, 4, 2048, 1024) == 1
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
