@@ -7,10 +7,10 @@ that a user's request waits for (the H200's HTTP TTFT stall, serving.md twentiet
 The keys are the CUDA launcher's own (`kernels/specialisations.py`: Triton's
 `native_specialize_impl` on the launch's arguments, computed under the interpreter). Every
 kernel the GPU engine runs through `kernels.resolve_backend` runs as Triton here (page
-summaries and selection, slot stores, fused retrieve, residency index, paged prefill), so
-they are checked on the CPU exactly as they would be specialised on the H200; decode
-attention and the fused layer ops keep the CPU path (tests/kernels/test_specialisations.py
-covers eager decode)."""
+summaries and selection, slot stores, fused retrieve, residency index, paged prefill, the
+fused decoder-layer ops), so they are checked on the CPU exactly as they would be
+specialised on the H200; decode attention keeps the CPU path
+(tests/kernels/test_specialisations.py covers eager decode)."""
 import random
 
 import pytest
@@ -60,6 +60,7 @@ def test_serving_launches_only_what_the_warm_up_launched(model_dir, config, monk
     offload = eng.runner.offload
     if offload is not None:
         offload.fused = True  # the GPU's retrieve kernels
+    eng.runner.model.fused_ops = True  # and its fused norm / RoPE / SiLU kernels
     rng = random.Random(0)
     with SpecialisationLog() as log:
         warm_up(eng)
