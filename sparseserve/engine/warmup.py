@@ -37,11 +37,13 @@ def warmup_prompt_lens(page_size: int, max_model_len: int, decode_tokens: int) -
 
 def continued_prompt_len(page_size: int, max_model_len: int, decode_tokens: int,
                          chunk_tokens: int, cache_tokens: int) -> int:
-    """A prompt longer than one prefill chunk of `chunk_tokens` (max_num_batched_tokens, or
-    max_inject_tokens under layer-segmented prefill, which chunks a prompt to it), whole pages: its second chunk continues a prefix, the paged prefill kernel's only path,
-    which short prompts never reach (on the H200 its first compile cost a user's request
-    0.9 s: serving.md, twentieth session). At most a quarter of the cache's `cache_tokens`
-    and within max_model_len with room for `decode_tokens` (then it may fit one chunk)."""
+    """A prompt of whole pages longer than one prefill chunk of `chunk_tokens`
+    (max_num_batched_tokens, or max_inject_tokens under layer-segmented prefill, which chunks
+    a prompt to it): its second chunk continues a prefix, the paged prefill kernel's only
+    path, which short prompts never reach (on the H200 its first compile cost a user's
+    request 0.9 s: serving.md, twentieth session). At most a quarter of the cache's
+    `cache_tokens` and within max_model_len with room for `decode_tokens` (then it may fit
+    one chunk)."""
     room = max_model_len - decode_tokens - 1
     cap = max(2 * page_size, cache_tokens // 4 // page_size * page_size)
     n = max(2, chunk_tokens // page_size + 1) * page_size

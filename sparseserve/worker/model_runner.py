@@ -302,12 +302,14 @@ class ModelRunner(SamplingStep):
                                c.resident_pages)
                     for c, off in zip(chunks[num_decode:], offsets[num_decode:])]
         width = None  # the table's full width (max_model_len in pages), as CUDA graphs use
-        if num_decode and (self.sparse is None or kernels.resolve_backend(None, rows) == "torch"):
+        compiled_select = self.sparse is not None and \
+            kernels.resolve_backend(None, rows) == "triton"
+        if num_decode and not compiled_select:
             # pages of the longest decode request (known on the CPU: no sync). Not for sparse
-            # decode by Triton (GPU): the select kernel is compiled per width class (its top-k tile
-            # is the width's power of two), so a width that followed the batch compiled new
+            # decode by Triton (GPU): its select kernel is compiled per width class (the top-k
+            # tile is the width's power of two), so a width that followed the batch compiled
             # variants mid-serving (serving.md, twentieth session); at the full width it runs
-            # the variant the graphs captured, and stops at each row's own pages
+            # the variant the graphs captured, and it stops at each row's own pages
             width = max(cdiv(c.start + 1, self.page_size) for c in chunks[:num_decode])
         args = (self.kv, self.pages, rows, positions, num_decode, prefills, self.scale)
         if self.offload is None:
