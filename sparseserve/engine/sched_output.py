@@ -72,3 +72,16 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+def layer_intervals(chunks: list[ScheduledChunk]) -> list[tuple[int, int]]:
+    """Split the layer axis where the set of active chunks changes."""
+    cuts = sorted({c.layer_start for c in chunks} | {c.layer_end for c in chunks})
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def decode_fills(decode_chunks: list[ScheduledChunk], page_size: int) -> bool:
+    """Whether a decode token of this step completes its page (token at position p fills it
+    when p + 1 is a multiple of page_size): only then are filled pages indexed (see
+    OffloadForwardContext.decode_fills)."""
+    return any((c.start + 1) % page_size == 0 for c in decode_chunks)

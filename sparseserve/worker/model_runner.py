@@ -15,7 +15,8 @@ import torch
 from sparseserve import kernels
 from sparseserve.config import INJECT_CREDIT_FRACTION, EngineConfig, SparseConfig
 from sparseserve.engine.memory_plan import report_reserved
-from sparseserve.engine.sched_output import ScheduledChunk, SchedulerOutput
+from sparseserve.engine.sched_output import (ScheduledChunk, SchedulerOutput, decode_fills,
+                                             layer_intervals)
 from sparseserve.kvcache.manager import cdiv
 from sparseserve.model.llama import LlamaForCausalLM
 from sparseserve.model.loader import iter_weights
@@ -239,7 +240,7 @@ class ModelRunner(SamplingStep):
         of the chunks that sample (in chunk order), or None if none does."""
         dev = self.device
         h = self._initial_hidden(chunks, offsets, input_ids)
-        for a, b in _layer_intervals(chunks):
+        for a, b in layer_intervals(chunks):
             active = [i for i, c in enumerate(chunks) if c.layer_start <= a and c.layer_end >= b]
             if not active:
                 continue
@@ -301,15 +302,11 @@ class ModelRunner(SamplingStep):
         prefills = [PrefillSeq(off, off + c.num_tokens, c.start, c.row, c.slot_free,
                                c.resident_pages)
                     for c, off in zip(chunks[num_decode:], offsets[num_decode:])]
-        width = None  # the table's full width (max_model_len in pages), as CUDA graphs use
-        compiled_select = self.sparse is not None and \
-            kernels.resolve_backend(None, rows) == "triton"
-        if num_decode and not compiled_select:
-            # pages of the longest decode request (known on the CPU: no sync). Not for sparse
-            # decode by Triton (GPU): its select kernel is compiled per width class (the top-k
-            # tile is the width's power of two), so a width that followed the batch compiled
-            # variants mid-serving (serving.md, twentieth session); at the full width it runs
-            # the variant the graphs captured, and it stops at each row's own pages
+        # decode tables as wide as the longest decode request (known here: no sync), but at the
+        # full width (as graphs) for Triton's sparse select, which is compiled per width class:
+        # a width that followed the batch compiled variants mid-serving (serving.md, session 20)
+        width = None
+        if num_decode and (self.sparse is None or kernels.resolve_backend(None, rows) == "torch"):
             width = max(cdiv(c.start + 1, self.page_size) for c in chunks[:num_decode])
         args = (self.kv, self.pages, rows, positions, num_decode, prefills, self.scale)
         if self.offload is None:
@@ -391,16 +388,3 @@ class ModelRunner(SamplingStep):
         if self.offload is not None:  # who owns which host chunk: working-set counts
             owners = to_device(np.stack([r, val]), torch.long, self.device)  # one copy
             self.offload.stamps.assign(owners[0], owners[1])
-
-
-def _layer_intervals(chunks: list[ScheduledChunk]) -> list[tuple[int, int]]:
-    """Split the layer axis where the set of active chunks changes."""
-    cuts = sorted({c.layer_start for c in chunks} | {c.layer_end for c in chunks})
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
-def decode_fills(decode_chunks: list[ScheduledChunk], page_size: int) -> bool:
-    """Whether a decode token of this step completes its page (token at position p fills it
-    when p + 1 is a multiple of page_size): only then are filled pages indexed (see
-    OffloadForwardContext.decode_fills)."""
-    return any((c.start + 1) % page_size == 0 for c in decode_chunks)
