@@ -145,8 +145,9 @@ def head_bounds(q, kmin, kmax, page_table, num_pages, *, backend=None, n_sub=1):
 
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
                  local_pages, out_pages=None, out_num=None, out_blocks=None, *, backend=None,
-                 num_splits=None, n_sub=1, codes=None, bits=0, kmean=None, chan=None,
-                 kscale=None, sparq_chan=None, sparq_kernel=None, sparq_asm=None, sparq_rec=None):
+                 num_splits=None, num_warps=None, n_sub=1, codes=None, bits=0, kmean=None,
+                 chan=None, kscale=None, sparq_chan=None, sparq_kernel=None, sparq_asm=None,
+                 sparq_rec=None):
     """Fused Quest/ArkVale selection (score + kept pages + top-k); see
     ``page_select.select_pages``.
 
@@ -155,6 +156,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     last_page_len [B] int32 -> pages [B, Hkv, K] int32, num_sel [B, Hkv] int32,
     blocks [B, Hkv, K] int64 with K = max(1, min(budget_pages - 1, W)) + 1.
     ``num_splits`` (Triton only): score programs per (request, KV head); 1 = one launch.
+    ``num_warps`` (Triton only): warps per program of both launches (None: by width).
     ``codes``, ``bits`` > 0: token key codes score the pages (``ref.code_page_bounds``).
     ``kmean``, ``chan``, ``kscale`` with ``codes``: channel key codes score them
     (``ref.channel_code_page_bounds``; kmin / kmax are the coded channels' ranges).
@@ -177,7 +179,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     from .page_select import select_pages as _triton
     return _triton(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages,
                    sink_pages, local_pages, out_pages, out_num, out_blocks, num_splits=num_splits,
-                   n_sub=n_sub, codes=codes, bits=bits, sparq_kernel=sparq_kernel,
+                   num_warps=num_warps, n_sub=n_sub, codes=codes, bits=bits, sparq_kernel=sparq_kernel,
                    sparq_asm=sparq_asm, sparq_rec=sparq_rec, **cc)
 
 

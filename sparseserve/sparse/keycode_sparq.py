@@ -95,6 +95,7 @@ class KeyCodeSparQ(SparseAlgorithm):
     score_kernel = None  # the fused select's score phase: 2 sparq_tiles, 1 sparq_codes (None: env)
     decode_asm = None    # sparq_tiles' bf16x2 decode on the GPU (None: env)
     select_splits = None  # score programs per row (None: select_pages' heuristic / env)
+    select_warps = None  # warps per select program (None: select_pages' choice / env)
     from_token_logits = KeyCodes.from_token_logits
 
     def decoded_channels(self, head_dim: int) -> int:
@@ -229,7 +230,8 @@ class KeyCodeSparQ(SparseAlgorithm):
                             self.decoded_channels(q.shape[-1]), backend=backend)
         return select_pages(q, v["kmin"], v["kmax"], page_table, num_pages, last_page_len,
                             self.budget_pages, self.sink_pages, self.local_pages,
-                            backend=backend, num_splits=self.select_splits, codes=v["codes"],
+                            backend=backend, num_splits=self.select_splits,
+                            num_warps=self.select_warps, codes=v["codes"],
                             bits=2, kmean=v["kmean"], kscale=v["kscale"], sparq_chan=ch,
                             sparq_kernel=self.score_kernel, sparq_asm=self.decode_asm,
                             sparq_rec=v["rec"])

@@ -135,6 +135,27 @@ def test_scores_and_selection_equal_the_first_layout(Hq, Hkv, dtype, ps):
     torch.testing.assert_close(got[0][0][full], want[full], rtol=2e-2, atol=5e-2)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_warps_per_program_do_not_change_scores_or_pages(splits):
+    """sparq_tiles lays a sub-tile's pages over the program's warps (K = 16 / NW pages per
+    warp): 8 warps (``keycode2-sparq@select_warps=8``, the occupancy variant) give the same
+    scores bit for bit and the same pages as the default 4, fused and split."""
+    (new, _), q, table, num, ch = _pair([1, 17, 54, 97], 8, 2, 64, 32, torch.bfloat16, 5)
+    v = new[0].views(new[1])
+    B, Hkv, W = table.shape
+    got = []
+    for warps in (None, 8):
+        xs = torch.full((B, Hkv, 4, W), float("nan"), device=DEVICE)
+        sel = select_pages(q, v["kmin"], v["kmax"], table, num, None, 8, 1, 2, num_splits=splits,
+                           num_warps=warps, codes=v["codes"], bits=2, kmean=v["kmean"],
+                           kscale=v["kscale"], sparq_chan=ch, sparq_kernel=2,
+                           sparq_rec=v["rec"], scores_out=xs)
+        got.append((xs.nan_to_num(), sel))
+    assert torch.equal(got[0][0], got[1][0])
+    for a, b in zip(got[0][1], got[1][1]):
+        assert torch.equal(a, b)
+
+
 def test_wide_row_and_the_algorithm_select():
     """4097 pages in a row next to a 5-page one: the algorithm's fused select (channel choice
     + select_pages, Triton) and its generic select over ``score`` pick the same pages in both
