@@ -12,6 +12,11 @@ at the same rate and writes one JSON (every bench result, the server commands).
   # "+full" with --cudagraph-mode FULL, "+thread" with --no-engine-process
   python benchmarks/serving_http.py --out /tmp/h.json --smoke      # tiny model on the CPU
 
+Each server starts with an empty Triton cache (`--triton-cache fresh`, the default), as a
+user's first server does, so no preset inherits kernels an earlier one compiled; the table's
+"compiles" column is the server's Triton compilations during the measured pass (0 when the
+start-up warm-up covered everything).
+
 The in-process sweep (benchmarks/serving.py) measures the same quantities without HTTP; this
 script is the check that the server path gives the same picture. Needs the server stack
 (fastapi, uvicorn, httpx, prometheus-client).
@@ -124,10 +129,16 @@ def run_preset(a, model: str, preset: str, out_dir: str) -> dict:
     base = f"http://127.0.0.1:{port}"
     cmd = server_command(a, model, preset, port)
     rec: dict = {"server_command": " ".join(cmd)}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    if a.triton_cache == "fresh":
+        # an empty Triton cache per server, as a user's first server has: no preset inherits
+        # the kernels an earlier one compiled (the twentieth session's first server paid
+        # 1.38 s of mid-serving compiles that the later ones found on disk)
+        env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"triton-{preset}-", dir=out_dir)
+    rec["triton_cache"] = a.triton_cache
     t = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                                [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])))
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     try:
         wait_healthy(proc, base, a.start_timeout_s)
         rec["start_s"] = time.perf_counter() - t
@@ -163,6 +174,9 @@ def main(argv=None) -> int:
     add_workload_args(p)  # the same workload and engine shape as serving.py
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout-s", type=float, default=240)
+    p.add_argument("--triton-cache", choices=("fresh", "shared"), default="fresh",
+                   help="fresh (default): each server starts with an empty Triton cache, as a "
+                        "user's first server; shared: the machine's, warmed by earlier runs")
     p.add_argument("--smoke", action="store_true", help="tiny dummy model on the CPU")
     a = p.parse_args(argv)
     tmp = tempfile.TemporaryDirectory()
@@ -178,20 +192,23 @@ def main(argv=None) -> int:
         result["presets"][preset] = run_preset(a, model, preset, tmp.name)
         C.write_json(a.out, result)
     rows = []
-    dense = (result["presets"].get("dense") or {}).get("result")
+    # the baseline: the first dense preset (dense, dense+async, ...)
+    base = next((n for n in result["presets"] if n.split("+")[0] == "dense"), None)
+    dense = (result["presets"].get(base) or {}).get("result")
     for preset, rec in result["presets"].items():
         r = rec.get("result")
         if r is None:
-            rows.append([preset, "error: " + rec.get("error", "?")[:60]] + [""] * 6)
+            rows.append([preset, "error: " + rec.get("error", "?")[:60]] + [""] * 7)
             continue
         x = (r["output_throughput"] / dense["output_throughput"]) if dense else None
         ttft_x = (dense["mean_ttft_ms"] / r["mean_ttft_ms"]) if dense else None
         rows.append([preset, f"{r['completed']}/{a.num_prompts}", C.fmt(r["output_throughput"], 1),
                      C.fmt(x, 2), C.fmt(r["mean_ttft_ms"] / 1e3, 2), C.fmt(ttft_x, 2),
-                     C.fmt(r["mean_itl_ms"], 1), C.fmt(r["p99_itl_ms"], 0)])
+                     C.fmt(r["mean_itl_ms"], 1), C.fmt(r["p99_itl_ms"], 0),
+                     C.fmt((r.get("server_metrics") or {}).get("triton_compiles"), 0)])
     print(f"wrote {a.out}\n")
-    print(C.table(["preset", "done", "out tok/s", "x dense", "mean TTFT s", "TTFT x lower",
-                   "mean ITL ms", "p99 ITL ms"], rows))
+    print(C.table(["preset", "done", "out tok/s", f"x {base}", "mean TTFT s", "TTFT x lower",
+                   "mean ITL ms", "p99 ITL ms", "compiles"], rows))
     return 0 if all("result" in r for r in result["presets"].values()) else 1
 
 

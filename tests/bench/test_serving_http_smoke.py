@@ -40,7 +40,9 @@ def test_serving_http_smoke(tmp_path):
         assert all(0 < t < e for t, e in zip(res["ttfts"], res["e2els"]))
         assert res["usage_sources"] == ["server"] and res["mean_itl_ms"] > 0
         assert rec["server_exit_code"] is not None  # the server was stopped
-    assert "x dense" in proc.stdout
+        assert rec["triton_cache"] == "fresh"  # each server started as a user's first one
+        assert res["server_metrics"]["triton_compiles"] == 0  # the CPU compiles nothing
+    assert "x dense" in proc.stdout and "compiles" in proc.stdout
 
 
 def test_preset_modifiers_map_to_server_flags():
