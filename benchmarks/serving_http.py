@@ -207,8 +207,8 @@ def main(argv=None) -> int:
                      C.fmt(r["mean_itl_ms"], 1), C.fmt(r["p99_itl_ms"], 0),
                      C.fmt((r.get("server_metrics") or {}).get("triton_compiles"), 0)])
     print(f"wrote {a.out}\n")
-    print(C.table(["preset", "done", "out tok/s", f"x {base}", "mean TTFT s", "TTFT x lower",
-                   "mean ITL ms", "p99 ITL ms", "compiles"], rows))
+    print(C.table(["preset", "done", "out tok/s", f"x {base or 'dense'}", "mean TTFT s",
+                   "TTFT x lower", "mean ITL ms", "p99 ITL ms", "compiles"], rows))
     return 0 if all("result" in r for r in result["presets"].values()) else 1
 
 

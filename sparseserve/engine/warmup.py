@@ -41,13 +41,16 @@ def continued_prompt_len(page_size: int, max_model_len: int, decode_tokens: int,
     (max_num_batched_tokens, or max_inject_tokens under layer-segmented prefill, which chunks
     a prompt to it): its second chunk continues a prefix, the paged prefill kernel's only
     path, which short prompts never reach (on the H200 its first compile cost a user's
-    request 0.9 s: serving.md, twentieth session). At most a quarter of the cache's
-    `cache_tokens` and within max_model_len with room for `decode_tokens` (then it may fit
-    one chunk)."""
+    request 0.9 s: serving.md, twentieth session). When that exceeds a quarter of the cache's
+    `cache_tokens` or max_model_len less room for `decode_tokens` (layer-segmented prefill's
+    budget is usually beyond both), two pages instead: no served prompt continues a prefix
+    below that either, so a long warm-up prefill would buy nothing."""
     room = max_model_len - decode_tokens - 1
     cap = max(2 * page_size, cache_tokens // 4 // page_size * page_size)
     n = max(2, chunk_tokens // page_size + 1) * page_size
-    return max(1, min(n, cap, room))
+    if n > min(cap, room):  # no prompt here continues a prefix: no long prefill for nothing
+        n = 2 * page_size
+    return max(1, min(n, room))
 
 
 def warm_up(engine, decode_tokens: int = 4, max_steps: int = 10_000) -> float:
@@ -69,7 +72,8 @@ def warm_up(engine, decode_tokens: int = 4, max_steps: int = 10_000) -> float:
     lens = warmup_prompt_lens(cfg.cache.page_size, sc.max_model_len, decode_tokens)
     continued = continued_prompt_len(cfg.cache.page_size, sc.max_model_len, decode_tokens,
                                      sc.max_inject_tokens or sc.max_num_batched_tokens,
-                                     engine.num_total_pages() * cfg.cache.page_size)
+                                     engine.num_total_pages() // engine.scheduler.kv.num_kv_heads
+                                     * cfg.cache.page_size)  # pages are per KV head
     vocab = cfg.model.vocab_size
     together = max(0, min(2, sc.max_num_seqs - 2))  # phase 3's prompts
     # A and B keep decoding through phase 3 (aborted after it); room: prompt + tokens fit

@@ -29,6 +29,11 @@ SPLIT_PROGRAMS_PER_SM = 2  # split mode until rows alone give this many programs
 # us in one program, less than the split mode's second launch (light8 profile, fifteenth
 # session: 2 launches of ~9 us per layer at 160-page rows)
 FUSED_MAX_CHUNKS = 4
+# score programs per row at most; the select phase merges their partials in one tile of this
+# size whatever the step's split count (a constexpr that followed the batch would compile a
+# variant per power of two mid-serving: serving.md, twentieth session)
+MAX_SPLITS = 64
+CPU_SMS = 8  # the split heuristic's SM count on CPU tensors (the interpreter: fewer programs)
 LOG2E = 1.4426950408889634
 
 
@@ -43,8 +48,8 @@ def _default_splits(q, rows: int, chunks: int) -> int:
     if chunks <= FUSED_MAX_CHUNKS:
         return 1
     sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
-        if q.is_cuda else 8
-    return max(1, min(chunks, triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, rows)))
+        if q.is_cuda else CPU_SMS
+    return max(1, min(chunks, triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, rows), MAX_SPLITS))
 
 
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
@@ -164,7 +169,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     TILE = max(16, min(MAX_TILE, triton.next_power_of_2(W)))
     chunks = triton.cdiv(W, block_w)
     splits = num_splits or _default_splits(q, B * Hkv, chunks)
-    splits = max(1, min(splits, chunks))
+    splits = max(1, min(splits, chunks, MAX_SPLITS))
     cps = triton.cdiv(chunks, splits)
     splits = triton.cdiv(chunks, cps)
     xs = torch.empty(B, Hkv, G, W, dtype=torch.float32, device=dev) if scores_out is None \
@@ -189,7 +194,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         and kmax.dtype == torch.bfloat16
     meta = dict(NSUB=n_sub, BITS=bits, PS=ps, R=R, INT8_MEAN=kscale is not None, SPARQ=version,
                 G=G, GP=GP, D=D, BLOCK_W=block_w, BLOCK_D=BLOCK_D,
-                BLOCK_S=triton.next_power_of_2(splits), TILE=TILE, ONE_TILE=TILE >= W,
+                BLOCK_S=MAX_SPLITS, TILE=TILE, ONE_TILE=TILE >= W,
                 BLOCK_K=triton.next_power_of_2(k_out),
                 # fp32 summaries: exact products (no TF32); 16-bit operands multiply exactly
                 # on the tensor cores whatever the setting

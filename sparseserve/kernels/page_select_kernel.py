@@ -64,7 +64,10 @@ def _row_keys(s_row, stride_sg, offs, n, sink, local, lse, G: tl.constexpr, GP: 
     return tl.where(scored | kept, key, -2147483647 - 1)
 
 
-@triton.jit
+# the split count, its chunks per program and the partials' strides follow the step's decode
+# rows (eager hybrid steps run any batch size; graphs only their buckets): not specialised on
+# (== 1, % 16), else a new class compiles mid-serving (serving.md, twentieth session)
+@triton.jit(do_not_specialize=["chunks_per_split", "num_splits", "stride_mlb", "stride_mlh"])
 def _page_select_kernel(
     q_ptr, kmin_ptr, kmax_ptr, codes_ptr, mean_ptr, chan_ptr, kscale_ptr, pt_ptr, np_ptr, s_ptr,
     ml_ptr, key_ptr, pages_ptr, blocks_ptr, nsel_ptr,

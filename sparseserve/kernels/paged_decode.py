@@ -240,7 +240,7 @@ def paged_decode_attention(q, k_cache, v_cache, page_table, num_pages, last_page
     if num_splits is None:
         ns = default_num_splits(B, Hkv, W, BLOCK_N // page_size, _num_sms(q.device))
     else:
-        ns = max(1, min(int(num_splits), W))
+        ns = max(1, min(int(num_splits), W, MAX_SPLITS))  # the merge tile holds MAX_SPLITS
     pages_per_split = triton.cdiv(W, ns)
     # round to whole iterations so only the last split has a ragged tail
     pages_per_split = triton.cdiv(pages_per_split, BLOCK_N // page_size) * (BLOCK_N // page_size)

@@ -40,13 +40,15 @@ def test_prompt_lens_cover_both_specialisations():
 
 
 def test_continued_prompt_is_longer_than_a_chunk_within_its_caps():
-    """Phase 2's prompt: whole pages past one chunk (its second chunk continues a prefix),
-    unless max_model_len or a quarter of the cache does not allow it."""
+    """Phase 2's prompt: whole pages past one chunk (its second chunk continues a prefix);
+    two pages where max_model_len or a quarter of the cache does not allow that (no served
+    prompt continues a prefix there either: layer-segmented prefill's budget is usually so)."""
     n = continued_prompt_len(32, 132096, 4, 2048, 163840)
     assert n == 2080 and n > 2048 and n % 32 == 0
     assert continued_prompt_len(16, 256, 4, 48, 12800) == 64  # 48 -> the next whole page past it
-    assert continued_prompt_len(16, 256, 4, 2048, 12800) == 251  # max_model_len - 4 - 1
-    assert continued_prompt_len(16, 8192, 4, 2048, 1024) == 256  # a quarter of the cache
+    assert continued_prompt_len(16, 256, 4, 2048, 12800) == 32  # past max_model_len
+    assert continued_prompt_len(32, 32768, 4, 65536, 10**6) == 64  # segments of 65,536 tokens
+    assert continued_prompt_len(16, 8192, 4, 2048, 1024) == 32  # past a quarter of the cache
     assert continued_prompt_len(16, 3, 4, 2048, 1024) == 1
 
 

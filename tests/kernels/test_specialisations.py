@@ -87,3 +87,26 @@ def test_eager_decode_compiles_one_kernel_per_split_mode():
     assert split_modes == {"True", "False"}
     assert len(log.keys["_paged_decode_kernel"]) == 2, log.keys["_paged_decode_kernel"]
     assert len(log.keys["_merge_splits_kernel"]) == 1, log.keys["_merge_splits_kernel"]
+
+
+def test_eager_select_compiles_one_kernel_per_phase_whatever_the_batch(monkeypatch):
+    """The fused select at the full width of a 128k-token table (4,096 pages, as eager steps
+    now run it) for every batch size an eager hybrid step can have (1 to 17 decode rows; the
+    split heuristic at the H200's 132 SMs): one key for the score phase and one for the
+    select phase — the split count, chunks per program, partial strides and the merge tile
+    do not follow the batch. Recorded without running (the interpreter could not)."""
+    from sparseserve.kernels import page_select
+
+    monkeypatch.setattr(page_select, "CPU_SMS", 132)
+    D, Hkv, G, W = 128, 8, 4, 4096
+    kmin = torch.zeros(W + 1, D)
+    with SpecialisationLog(execute=False) as log:
+        for B in range(1, 18):
+            q = torch.zeros(B, Hkv * G, D)
+            table = torch.zeros(B, Hkv, W, dtype=torch.int32)
+            num = torch.full((B, Hkv), W, dtype=torch.int32)
+            page_select.select_pages(q, kmin, kmin, table, num, None, 64, 1, 2)
+    keys = log.keys["_page_select_kernel"]
+    phases = {dict((e[0], e[2]) for e in k if e[1] == "constexpr")["DO_SELECT"] for k in keys}
+    assert phases == {"True", "False"} and len(keys) == 2, \
+        [describe_difference(k, keys - {k}) for k in keys]
