@@ -61,8 +61,8 @@ def load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, method: str =
     if method == "flash":
         if backend not in _BACKENDS:
             raise ValueError(f"unknown backend {backend!r}")
-        use_triton = backend == "triton" or (backend in (None, "auto") and dev_k.is_cuda)
-        if use_triton:
+        from .. import kernels  # Triton on CUDA tensors unless told (kernels/' one rule)
+        if kernels.resolve_backend(backend, dev_k) == "triton":
             from .flash_h2d import flash_load_pages
             flash_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, counter,
                              num_live)

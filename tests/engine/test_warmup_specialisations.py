@@ -32,8 +32,10 @@ CONFIGS = {
     # 32 device slots, the least a 256-token prompt's prefill needs: decode evicts and loads
     "offload-evicting-chunked": dict(OFFLOAD, kv_cache_memory_bytes=32 * PAGE_BYTES,
                                      max_num_batched_tokens=13),
+    # the sparseserve preset's transfers: FlashH2D loads, GPU-direct saves
     "offload-layer-segmented": dict(OFFLOAD, kv_cache_memory_bytes=64 * PAGE_BYTES,
-                                    max_num_batched_tokens=64, max_inject_tokens=100),
+                                    max_num_batched_tokens=64, max_inject_tokens=100,
+                                    h2d_method="flash", d2h_method="gpu-direct"),
     "dense-chunked": dict(max_num_batched_tokens=40),
 }
 LENGTHS = [1, 17, 54, 97, 130, 33, 64, 5]
@@ -80,7 +82,10 @@ def test_serving_launches_only_what_the_warm_up_launched(model_dir, config, monk
     assert "_paged_prefill_kernel" in warmed  # a chunk continuing a prefix ran in the warm-up
     if offload is not None:
         assert {"_probe_kernel", "_assign_kernel", "_rebuild_kernel", "_page_select_kernel",
-                "_page_summary_kernel", "_store_kernel", "_store_rows_kernel"} <= warmed.keys()
+                "_page_summary_kernel", "_store_kernel", "_store_rows_kernel",
+                "_flash_h2d_kernel"} <= warmed.keys()
+        if config == "offload-layer-segmented":
+            assert "_gpu_direct_kernel" in warmed
         offload.check_invariants()
     if config == "offload-evicting-chunked":
         assert eng.get_stats()["pages_loaded_total"] > 0  # serving really evicted and loaded
