@@ -94,6 +94,8 @@ def compare(result: dict) -> dict:
                           and math.isfinite(rate_value(g) * rate_value(g_dense)) else None),
             "goodput_quality": goodput_quality(pts, g, result["presets"]["dense"].get("points")
                                                or [], g_dense),
+            "goodput_x_range": goodput_ratio_range(pts, g, result["presets"]["dense"].get(
+                "points") or [], g_dense),
             "per_rate": per_rate,
             "saturation_throughput_x": sat,
             "throughput_x_at_highest_rate": top and top["throughput_x"],
@@ -151,6 +153,29 @@ def goodput_is_bracketed(points: list[dict], rate) -> bool:
                for p in points)
 
 
+def goodput_bracket(points: list[dict], rate) -> tuple[float, float | None] | None:
+    """Where a preset's goodput lies on its ladder: [rate, the lowest measured rate above it)
+    -> (rate, that rate), or (rate, None) when nothing above it was measured (a floor); None
+    without a finite goodput."""
+    if rate is None or not math.isfinite(rate_value(rate)):
+        return None
+    above = [rate_value(p["rate"]) for p in points if p.get("completed") is not None
+             and rate_value(p["rate"]) > rate_value(rate)]
+    return rate_value(rate), (min(above) if above else None)
+
+
+def goodput_ratio_range(points, rate, dense_points, dense_rate) -> list | None:
+    """The goodput ratio's range given the ladders' resolution: [mine / dense's next rung,
+    my next rung / dense's], open at both ends; None for an end a floor leaves unbounded
+    (e.g. a 1.5x ladder with goodputs 4.5 and 3.0 puts the 1.5x ratio in (1.0, 2.25))."""
+    mine, dense = goodput_bracket(points, rate), goodput_bracket(dense_points, dense_rate)
+    if mine is None or dense is None:
+        return None
+    lo = mine[0] / dense[1] if dense[1] else None
+    hi = mine[1] / dense[0] if mine[1] else None
+    return [lo, hi]
+
+
 def goodput_quality(points: list[dict], rate, dense_points: list[dict], dense_rate) -> str:
     """How a goodput ratio relates to the truth: "exact" when both goodputs are bracketed by a
     failing higher rate; a ladder that stopped while meeting the SLOs makes its goodput a floor,
@@ -164,6 +189,16 @@ def goodput_quality(points: list[dict], rate, dense_points: list[dict], dense_ra
 
 def _x(v, digits: int = 2) -> str:
     return "" if v is None else f"{v:.{digits}f}"
+
+
+def _range(r) -> str:
+    """'; between the rungs: (lo, hi)' for a goodput ratio's range (a floor's end: 0 or
+    unbounded); '' when neither end is known."""
+    if not r or r == [None, None]:
+        return ""
+    lo = "0" if r[0] is None else f"{r[0]:.2f}"
+    hi = "unbounded" if r[1] is None else f"{r[1]:.2f}"
+    return f"; between the rungs: ({lo}, {hi})"
 
 
 def table(result: dict) -> str:
@@ -197,7 +232,8 @@ def table(result: dict) -> str:
                 f"{c['ttft_x_lower_best_rate']} ({c['ttft_x_lower_best_quality']}; target >= "
                 f"{TARGETS['ttft_x_lower']}x: {_met(c['ttft_target_met'])}), "
                 f"{_x(c['ttft_x_lower_at_highest_rate'])}x at the highest rate; goodput "
-                f"{_x(c.get('goodput_x'))}x ({c.get('goodput_quality')})")
+                f"{_x(c.get('goodput_x'))}x ({c.get('goodput_quality')}"
+                f"{_range(c.get('goodput_x_range'))})")
     if result.get("errors"):
         out += "\nerrors: " + "; ".join(f"{e['part']}: {e['error'][:120]}" for e in result["errors"])
     return out

@@ -140,6 +140,23 @@ def test_ratio_rules():
     assert R.compare(result)["sparseserve"]["goodput_x"] is None
 
 
+def test_goodput_ratio_range_follows_the_rungs():
+    """The twentieth session's Llama-3-8B ladders (dense 0.5, 2, 3, 4.5; sparseserve 3, 4.5,
+    6.75): goodputs 3.0 and 4.5 give 1.5x, somewhere in (4.5 / 4.5, 6.75 / 3.0); a ladder that
+    stopped while meeting the SLOs leaves that end open."""
+    pts = lambda *rates: [{"rate": r, "completed": 32} for r in rates]  # noqa: E731
+    dense, mine = pts(0.5, 2.0, 3.0, 4.5), pts(3.0, 4.5, 6.75)
+    assert R.goodput_ratio_range(mine, 4.5, dense, 3.0) == [pytest.approx(1.0),
+                                                          pytest.approx(2.25)]
+    assert R.goodput_ratio_range(pts(3.0, 4.5), 4.5, dense, 3.0) == [pytest.approx(1.0), None]
+    assert R.goodput_ratio_range(mine, 4.5, pts(0.5, 3.0), 3.0) == [None, pytest.approx(2.25)]
+    assert R.goodput_ratio_range(mine, None, dense, 3.0) is None
+    assert R._range([1.0, 2.25]) == "; between the rungs: (1.00, 2.25)"
+    assert R._range([1.0, None]) == "; between the rungs: (1.00, unbounded)"
+    assert R._range([None, 2.0]) == "; between the rungs: (0, 2.00)"
+    assert R._range([None, None]) == "" and R._range(None) == ""
+
+
 def test_rates_of_each_configuration(tmp_path):
     """--rates-of gives one configuration its own rates (a goodput sweep probes dense below
     its saturation); a name not run, or a rate <= 0, is an error that says what to pass."""
