@@ -110,3 +110,31 @@ def test_eager_select_compiles_one_kernel_per_phase_whatever_the_batch(monkeypat
     phases = {dict((e[0], e[2]) for e in k if e[1] == "constexpr")["DO_SELECT"] for k in keys}
     assert phases == {"True", "False"} and len(keys) == 2, \
         [describe_difference(k, keys - {k}) for k in keys]
+
+
+def test_every_unspecialised_name_is_a_parameter_of_its_kernel():
+    """Triton 3.6 ignores a name in do_not_specialize / do_not_specialize_on_alignment that is
+    not a parameter: a typo there would silently bring a mid-serving compile back. Every
+    kernel of sparseserve.kernels and sparseserve.transfer names real parameters."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import sparseserve.kernels
+    import sparseserve.transfer
+    from triton.runtime.interpreter import InterpretedFunction
+
+    checked = 0
+    for pkg in (sparseserve.kernels, sparseserve.transfer):
+        for info in pkgutil.iter_modules(pkg.__path__):
+            mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
+            for obj in vars(mod).values():
+                if not isinstance(obj, InterpretedFunction) or obj.fn.__module__ != mod.__name__:
+                    continue
+                params = list(inspect.signature(obj.fn).parameters)
+                for kind in ("do_not_specialize", "do_not_specialize_on_alignment"):
+                    for name in obj.kwargs.get(kind) or []:
+                        assert (params[name] if isinstance(name, int) else name) in params, \
+                            f"{mod.__name__}.{obj.fn.__name__}: {kind} names {name!r}"
+                        checked += 1
+    assert checked >= 40  # this session's flags are all seen
