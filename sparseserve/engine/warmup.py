@@ -46,9 +46,8 @@ def continued_prompt_len(page_size: int, max_model_len: int, decode_tokens: int,
     budget is usually beyond both), two pages instead: no served prompt continues a prefix
     below that either, so a long warm-up prefill would buy nothing."""
     room = max_model_len - decode_tokens - 1
-    cap = max(2 * page_size, cache_tokens // 4 // page_size * page_size)
     n = max(2, chunk_tokens // page_size + 1) * page_size
-    if n > min(cap, room):  # no prompt here continues a prefix: no long prefill for nothing
+    if n > min(cache_tokens // 4, room):  # no prompt continues a prefix: no long prefill
         n = 2 * page_size
     return max(1, min(n, room))
 

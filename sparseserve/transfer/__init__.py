@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels  # its backend rule (no Triton import)
 from .common import TransferStats, bits_view
 from .save_plan import SavePlan, make_save_plan
 from .flash_d2h import FlashD2HSaver
@@ -61,8 +62,7 @@ def load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, method: str =
     if method == "flash":
         if backend not in _BACKENDS:
             raise ValueError(f"unknown backend {backend!r}")
-        from .. import kernels  # Triton on CUDA tensors unless told (kernels/' one rule)
-        if kernels.resolve_backend(backend, dev_k) == "triton":
+        if kernels.resolve_backend(backend, dev_k) == "triton":  # Triton on CUDA tensors
             from .flash_h2d import flash_load_pages
             flash_load_pages(host_k, host_v, dev_k, dev_v, src_pages, dst_slots, counter,
                              num_live)
