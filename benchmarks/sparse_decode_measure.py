@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 import common as C
-from sparse_decode_timing import frac, tbs
+from sparse_decode_timing import frac, kernel_sequence, tbs
 
 INDEX_CHUNK = 1 << 18  # pages per index() call while building summaries
 TARGETS = {"ratio_max": 0.10, "attend_bw_frac_min": 0.60, "summary_frac_max": 0.04}
@@ -116,6 +116,10 @@ def measure_combo(torch, bench, s, pool, ctx, batch, copy_bw, backend, graphs):
                                           latency=False)}
         if fused is not None:  # box algorithms and keycode2-sparq (records: no kmin row)
             tm["fused"] = bench.time(fused)
+        try:  # which launch of the select holds its time (profiler; CUDA only)
+            r["select_kernels"] = kernel_sequence(torch, select)
+        except Exception as exc:  # noqa: BLE001 - recorded; the timings above still stand
+            r["select_kernels"] = [{"name": f"profiler failed: {exc}"[:200], "us": None}]
         for key, val in tm.items():
             r[f"{key}_us"] = val["gpu"]["median"]
             if val["latency"] is not None:

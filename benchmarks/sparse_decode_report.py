@@ -34,6 +34,10 @@ def analyse(rows):
             f"{r['topk_unsorted_us']:.1f}) + other ops {r['select_glue_us']:.1f} us; attend "
             f"{r['attend_us']:.1f} us; select = {r['select_share']:.0%} of select+attend; "
             f"select reads {r['select_over_attend_bytes']:.2f}x attend's bytes")
+        if r.get("select_kernels"):
+            lines.append("    select launches: " + "; ".join(
+                f"{k['name']} {k['us']:.1f} us" if isinstance(k["us"], float) else k["name"]
+                for k in r["select_kernels"]))
     dom = [r for r in at if r["select_share"] > 0.5]
     if dom:
         sugg.append(f"select dominates at {label(top)} for B in {sorted({r['batch'] for r in dom})}"

@@ -70,3 +70,28 @@ def measure_copy(torch, bench, s, device):
     return {"buffer_bytes": nbytes // 2, "bytes_moved": nbytes, "us": us, "bw_tbs": tbs(nbytes, us),
             "stats": t["gpu"], "note": "torch copy_ D2D; bandwidth counts read + write bytes"}
 
+
+
+def kernel_sequence(torch, fn, reps=10):
+    """Device kernels one call of ``fn`` launches, in launch order, with their mean device time
+    over ``reps`` calls (torch.profiler): ``[{"name", "us"}]``; None off CUDA. Why: a select is
+    several launches (channel choice, score phase, top-k phase) that may share a kernel name,
+    so per-name totals would hide which phase holds the time; positions do not."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    if not kernels or len(kernels) % reps:
+        return [{"name": "(launch count not a multiple of reps)", "us": len(kernels)}]
+    per = len(kernels) // reps
+    return [{"name": kernels[i].name[:80],
+             "us": sum(kernels[i + j * per].time_range.elapsed_us() for j in range(reps)) / reps}
+            for i in range(per)]
