@@ -14,6 +14,7 @@ import triton
 from .page_select_kernel import _page_select_kernel
 from .ref_sparq import channel_major
 from .sparq_records import rec_kind as rec_kind_of
+from .sparq_stream import STREAM_PAGES
 from .sparq_tiles import MAGIC_F32, SPARQ_ASM, SPARQ_KERNEL, TILE_PAGES
 
 __all__ = ["select_pages", "MAX_TILE"]
@@ -25,6 +26,9 @@ NUM_SPLITS = int(os.environ.get("SPARSESERVE_SELECT_SPLITS", 0)) or None
 BLOCK_W = int(os.environ.get("SPARSESERVE_SELECT_BLOCK_W", 0)) or None
 NUM_WARPS = int(os.environ.get("SPARSESERVE_SELECT_WARPS", 0)) or None
 SPLIT_PROGRAMS_PER_SM = 2  # split mode until rows alone give this many programs per SM
+# sparq_stream's programs hold 16-page tiles (fewer registers): more of them fit an SM, and
+# more programs in flight hide more of its gathers' latency (untuned: sparse.md)
+STREAM_PROGRAMS_PER_SM = 4
 # ... and only for rows of more chunks than this: a row of a few chunks scores them in a few
 # us in one program, less than the split mode's second launch (light8 profile, fifteenth
 # session: 2 launches of ~9 us per layer at 160-page rows)
@@ -42,14 +46,14 @@ def _num_sms(index) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _default_splits(q, rows: int, chunks: int) -> int:
-    """Programs per row for the score phase: 1 (fused) once rows alone fill the GPU, or when
-    a row has at most FUSED_MAX_CHUNKS chunks."""
+def _default_splits(q, rows: int, chunks: int, per_sm: int = SPLIT_PROGRAMS_PER_SM) -> int:
+    """Programs per row for the score phase: 1 (fused) once rows alone give ``per_sm``
+    programs per SM, or when a row has at most FUSED_MAX_CHUNKS chunks."""
     if chunks <= FUSED_MAX_CHUNKS:
         return 1
     sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if q.is_cuda else CPU_SMS
-    return max(1, min(chunks, triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, rows), MAX_SPLITS))
+    return max(1, min(chunks, triton.cdiv(per_sm * sms, rows), MAX_SPLITS))
 
 
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
@@ -85,7 +89,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                        [S, D * PS / 16] or [S, D, PS / 16]) and kmin / kmax [S, D]: each row
                        decodes its R channels (``sparse/keycode_sparq.py``; scores as
                        ``ref.sparq_page_bounds``); kmin / kmax / codes may be strided views
-        sparq_kernel, sparq_asm: its score phase (2: ``sparq_tiles``, 1: ``sparq_codes``)
+        sparq_kernel, sparq_asm: its score phase (2: ``sparq_tiles``, 3: ``sparq_stream``,
+                       1: ``sparq_codes``)
                        and bf16x2 decoding in it (default: ``sparq_tiles.SPARQ_*``, by env)
         sparq_rec:     [S, D * NR] int32: the records that kmin / kmax / codes view
                        (``sparq_records``); ``sparq_tiles`` then loads whole 4-word records
@@ -158,17 +163,20 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                                       num_warps or NUM_WARPS)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     version = (SPARQ_KERNEL if sparq_kernel is None else sparq_kernel) if sparq else 0
-    if version == 2 and (kscale is None or ps // 16 not in (1, 2, 4)):
-        version = 1  # sparq_tiles: int8 means, 16 to 64 tokens a page
-    # whole-record loads: sparq_tiles with 4-word records (else their strided views)
-    rec_kind = rec_kind if version == 2 and rec_kind and sparq_rec.shape[1] == 4 * D else 0
+    if version in (2, 3) and (kscale is None or ps // 16 not in (1, 2, 4)):
+        version = 1  # sparq_tiles / sparq_stream: int8 means, 16 to 64 tokens a page
+    # whole-record loads: sparq_tiles / _stream with 4-word records (else their strided views)
+    rec_kind = rec_kind if version >= 2 and rec_kind and sparq_rec.shape[1] == 4 * D else 0
     if version == 2:  # chunks of TILE_PAGES pages (a multiple of 16: sub-tiles of 16)
         block_w = block_w if block_w and block_w % 16 == 0 else TILE_PAGES
+    elif version == 3:  # one sub-tile an iteration
+        block_w = STREAM_PAGES
     block_w = block_w or (16 if R else max(1, min(16, 8192 // (ps * BLOCK_D))) if bits
                           else max(16, min(64, 8192 // BLOCK_D)))
     TILE = max(16, min(MAX_TILE, triton.next_power_of_2(W)))
     chunks = triton.cdiv(W, block_w)
-    splits = num_splits or _default_splits(q, B * Hkv, chunks)
+    splits = num_splits or _default_splits(
+        q, B * Hkv, chunks, STREAM_PROGRAMS_PER_SM if version == 3 else SPLIT_PROGRAMS_PER_SM)
     splits = max(1, min(splits, chunks, MAX_SPLITS))
     cps = triton.cdiv(chunks, splits)
     splits = triton.cdiv(chunks, cps)

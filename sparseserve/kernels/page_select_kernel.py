@@ -39,6 +39,7 @@ from . import patch_triton_interpreter
 from .channel_codes import chan_code_page_x
 from .code_scores import code_page_x
 from .sparq_codes import sparq_page_x
+from .sparq_stream import sparq_score_stream
 from .sparq_tiles import sparq_score_tiles
 
 patch_triton_interpreter()
@@ -105,6 +106,12 @@ def _page_select_kernel(
             codes_ptr, kscale_ptr, chan_ptr + b64 * stride_chan + h * R, stride_mean,
             stride_min, stride_max, stride_codes, pt_row, s_row, stride_sg, n, c0, c1, qk_scale,
             magic, G, GP, D, BLOCK_D, PS, R, BLOCK_W, 16, NW, ASM, FAST, DOT_PREC, BCS, CCS, REC)
+    elif DO_SCORE and SPARQ == 3:  # sparq_stream: 16 pages an iteration, all in registers
+        m_run, l_run = sparq_score_stream(
+            q_ptr + b64 * stride_qb + h * G * stride_qh, stride_qh, mean_ptr, kmin_ptr, kmax_ptr,
+            codes_ptr, kscale_ptr, chan_ptr + b64 * stride_chan + h * R, stride_mean,
+            stride_min, stride_max, stride_codes, pt_row, s_row, stride_sg, n, c0, c1, qk_scale,
+            magic, G, GP, D, BLOCK_D, PS, R, BLOCK_W, NW, ASM, FAST, DOT_PREC, BCS, CCS, REC, 2)
     elif DO_SCORE:
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D

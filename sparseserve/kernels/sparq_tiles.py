@@ -151,6 +151,96 @@ def _rec_tile(rp, m3, REC: tl.constexpr, K: tl.constexpr, NW: tl.constexpr, R: t
 
 
 @triton.jit
+def row_queries(q_row, stride_qh, ch_row, qk_scale, DT: tl.constexpr, G: tl.constexpr,
+                GP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr,
+                NWC: tl.constexpr):
+    """A row's query operands, pre-scaled by ``qk_scale`` and in the dots' dtype: ``qt``
+    [BLOCK_D, GP] (every channel), ``qc`` [R, GP] (the row's R channels ``ch`` [R] int64,
+    also returned) and ``qbd`` [R * NWC, GP * NWC], ``qc`` block-diagonal over a channel's
+    NWC code words (the tokens dot's K and N; module docstring, step 2)."""
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_r = tl.arange(0, R)
+    g_ok = offs_g < G
+    d_ok = offs_d < D
+    qt = tl.load(q_row + offs_g[None, :] * stride_qh + offs_d[:, None],
+                 mask=d_ok[:, None] & g_ok[None, :], other=0.0)
+    qt = (qt.to(tl.float32) * qk_scale).to(DT)                                  # [BLOCK_D, GP]
+    ch = tl.load(ch_row + offs_r).to(tl.int64)                                   # [R]
+    qc = tl.load(q_row + offs_g[None, :] * stride_qh + ch[:, None], mask=g_ok[None, :],
+                 other=0.0)
+    qc = (qc.to(tl.float32) * qk_scale).to(DT)                                  # [R, GP]
+    if NWC == 1:
+        qbd = qc
+    else:
+        # K slot s of a channel holds word wslot(s) (the join tree's order); columns (g, s')
+        ws = tl.arange(0, NWC)
+        if NWC == 4:
+            ws = 2 * (ws % 2) + ws // 2
+        blk = ws[None, :, None, None] == tl.arange(0, NWC)[None, None, None, :]
+        qbd = tl.reshape(tl.where(blk, qc[:, None, :, None], tl.zeros([R, NWC, GP, NWC], DT)),
+                         (R * NWC, GP * NWC))
+    return qt, qc, qbd, ch
+
+
+@triton.jit
+def subtile_words(codes_ptr, lo_ptr, hi_ptr, pg2, ch, m3, stride_lo, stride_hi, stride_codes,
+                  REC: tl.constexpr, K: tl.constexpr, NW: tl.constexpr, R: tl.constexpr,
+                  NWC: tl.constexpr, BCS: tl.constexpr, CCS: tl.constexpr):
+    """The sub-tile's loads: (lo, hi) [K, NW, R] (fp32 from records, else the summary dtype:
+    exact either way), code words 0 and 1 [K, NW, R] (word 1 = word 0 when a channel has one)
+    and the code words' pointers ``wp`` (words 2, 3 of page 64 are loaded by ``subtile_x``).
+    ``pg2`` [K, NW] int64 page ids, ``ch`` [R] int64 channels, ``m3`` [K, NW, 1] mask."""
+    if REC:  # whole records: box and code words in one vector load
+        lo3, hi3, w0, w1 = _rec_tile(
+            codes_ptr + pg2[:, :, None] * stride_codes + ch[None, None, :] * 4, m3, REC, K, NW, R)
+        wp = codes_ptr  # unused: 4-word records hold at most two code words
+    else:
+        lo3 = tl.load(lo_ptr + pg2[:, :, None] * stride_lo + ch[None, None, :] * BCS,
+                      mask=m3, other=0.0)
+        hi3 = tl.load(hi_ptr + pg2[:, :, None] * stride_hi + ch[None, None, :] * BCS,
+                      mask=m3, other=0.0)                                 # [K, NW, R]
+        wp = codes_ptr + pg2[:, :, None] * stride_codes + ch[None, None, :] * CCS
+        w0 = tl.load(wp, mask=m3, other=0)
+        w1 = w0
+        if NWC > 1:
+            w1 = tl.load(wp + 1, mask=m3, other=0)
+    return lo3, hi3, w0, w1, wp
+
+
+@triton.jit
+def subtile_x(lo3, hi3, w0, w1, wp, m3, b3, qbd, magic, DT: tl.constexpr, K: tl.constexpr,
+              NW: tl.constexpr, R: tl.constexpr, NWC: tl.constexpr, GP: tl.constexpr,
+              SUB: tl.constexpr, ASM: tl.constexpr, FAST: tl.constexpr,
+              DOT_PREC: tl.constexpr):
+    """Steps 2-4 of the module docstring for one sub-tile of ``SUB`` pages (page k * NW + w on
+    warp w): the decoded codes against the block-diagonal queries ``qbd``, plus the page
+    terms ``b3`` [K, NW, GP], reduced over each page's tokens -> x [K, NW, GP] (log2 units).
+    ``lo3`` / ``hi3`` [K, NW, R] in the dots' dtype ``DT``."""
+    if NWC == 1:
+        kk = ((hi3.to(tl.float32) - lo3.to(tl.float32)) * 2097152.0)[:, :, None, :]
+        a = tl.reshape(_word_dev(w0, kk, magic, DT, FAST), (SUB * 16, R))
+    elif NWC == 2:
+        if ASM:
+            dev = _word_pair_dev_bf16(w0, w1, lo3, hi3, K, NW, R)
+        else:
+            kk = ((hi3.to(tl.float32) - lo3.to(tl.float32)) * 2097152.0)[:, :, None, :]
+            dev = tl.join(_word_dev(w0, kk, magic, DT, FAST), _word_dev(w1, kk, magic, DT, FAST))
+        a = tl.reshape(dev, (SUB * 16, R * 2))
+    else:
+        kk = ((hi3.to(tl.float32) - lo3.to(tl.float32)) * 2097152.0)[:, :, None, :]
+        d01 = tl.join(_word_dev(w0, kk, magic, DT, FAST), _word_dev(w1, kk, magic, DT, FAST))
+        d23 = tl.join(_word_dev(tl.load(wp + 2, mask=m3, other=0), kk, magic, DT, FAST),
+                      _word_dev(tl.load(wp + 3, mask=m3, other=0), kk, magic, DT, FAST))
+        a = tl.reshape(tl.join(d01, d23), (SUB * 16, R * 4))
+    xt = tl.dot(a, qbd, input_precision=DOT_PREC)                    # [SUB*16, GP*NWC]
+    x5 = tl.reshape(xt, (K, NW, 16, GP, NWC)) + b3[:, :, None, :, None]
+    mx = tl.max(tl.max(x5, axis=4), axis=2)                                 # [K, NW, GP]
+    e = tl.sum(tl.sum(tl.exp2(x5 - mx[:, :, None, :, None]), axis=4), axis=2)
+    return mx + log2_fast(e, FAST)
+
+
+@triton.jit
 def sparq_score_tiles(q_row, stride_qh, mean_ptr, lo_ptr, hi_ptr, codes_ptr, kscale_ptr, ch_row,
                       stride_mean, stride_lo, stride_hi, stride_codes, pt_row, s_row, stride_sg,
                       n, c0, c1, qk_scale, magic,
@@ -174,26 +264,10 @@ def sparq_score_tiles(q_row, stride_qh, mean_ptr, lo_ptr, hi_ptr, codes_ptr, ksc
     K: tl.constexpr = SUB // NW
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_r = tl.arange(0, R)
     g_ok = offs_g < G
     d_ok = offs_d < D
-    qt = tl.load(q_row + offs_g[None, :] * stride_qh + offs_d[:, None],
-                 mask=d_ok[:, None] & g_ok[None, :], other=0.0)
-    qt = (qt.to(tl.float32) * qk_scale).to(DT)                                  # [BLOCK_D, GP]
-    ch = tl.load(ch_row + offs_r).to(tl.int64)                                   # [R]
-    qc = tl.load(q_row + offs_g[None, :] * stride_qh + ch[:, None], mask=g_ok[None, :],
-                 other=0.0)
-    qc = (qc.to(tl.float32) * qk_scale).to(DT)                                  # [R, GP]
-    if NWC == 1:
-        qbd = qc
-    else:
-        # K slot s of a channel holds word wslot(s) (the join tree's order); columns (g, s')
-        ws = tl.arange(0, NWC)
-        if NWC == 4:
-            ws = 2 * (ws % 2) + ws // 2
-        blk = ws[None, :, None, None] == tl.arange(0, NWC)[None, None, None, :]
-        qbd = tl.reshape(tl.where(blk, qc[:, None, :, None], tl.zeros([R, NWC, GP, NWC], DT)),
-                         (R * NWC, GP * NWC))
+    qt, qc, qbd, ch = row_queries(q_row, stride_qh, ch_row, qk_scale, DT, G, GP, D, BLOCK_D, R,
+                                  NWC)
     m_acc = tl.full([K, NW, GP], -1e30, tl.float32)  # per (page slot, head): running max
     l_acc = tl.zeros([K, NW, GP], tl.float32)        # and sum of exp2(x - max)
     for c in range(c0, c1):
@@ -232,43 +306,11 @@ def sparq_score_tiles(q_row, stride_qh, mean_ptr, lo_ptr, hi_ptr, codes_ptr, ksc
             b3 = tl.load(s_row + offs_g[None, None, :] * stride_sg + w2[:, :, None],
                          mask=ok2[:, :, None] & g_ok[None, None, :], other=0.0)   # [K, NW, GP]
             m3 = ok2[:, :, None]
-            if REC:  # whole records: box and code words in one vector load
-                lo3, hi3, w0, w1 = _rec_tile(
-                    codes_ptr + pg2[:, :, None] * stride_codes + ch[None, None, :] * 4,
-                    m3, REC, K, NW, R)
-                lo3, hi3 = lo3.to(DT), hi3.to(DT)  # exact: the box's own values
-            else:
-                lo3 = tl.load(lo_ptr + pg2[:, :, None] * stride_lo + ch[None, None, :] * BCS,
-                              mask=m3, other=0.0)
-                hi3 = tl.load(hi_ptr + pg2[:, :, None] * stride_hi + ch[None, None, :] * BCS,
-                              mask=m3, other=0.0)                                 # [K, NW, R]
-                wp = codes_ptr + pg2[:, :, None] * stride_codes + ch[None, None, :] * CCS
-                w0 = tl.load(wp, mask=m3, other=0)
-                if NWC > 1:
-                    w1 = tl.load(wp + 1, mask=m3, other=0)
-            if NWC == 1:
-                kk = ((hi3.to(tl.float32) - lo3.to(tl.float32)) * 2097152.0)[:, :, None, :]
-                a = tl.reshape(_word_dev(w0, kk, magic, DT, FAST), (SUB * 16, R))
-            elif NWC == 2:
-                if ASM:
-                    dev = _word_pair_dev_bf16(w0, w1, lo3, hi3, K, NW, R)
-                else:
-                    kk = ((hi3.to(tl.float32) - lo3.to(tl.float32)) * 2097152.0)[:, :, None, :]
-                    dev = tl.join(_word_dev(w0, kk, magic, DT, FAST),
-                                  _word_dev(w1, kk, magic, DT, FAST))
-                a = tl.reshape(dev, (SUB * 16, R * 2))
-            else:
-                kk = ((hi3.to(tl.float32) - lo3.to(tl.float32)) * 2097152.0)[:, :, None, :]
-                d01 = tl.join(_word_dev(w0, kk, magic, DT, FAST),
-                              _word_dev(w1, kk, magic, DT, FAST))
-                d23 = tl.join(_word_dev(tl.load(wp + 2, mask=m3, other=0), kk, magic, DT, FAST),
-                              _word_dev(tl.load(wp + 3, mask=m3, other=0), kk, magic, DT, FAST))
-                a = tl.reshape(tl.join(d01, d23), (SUB * 16, R * 4))
-            xt = tl.dot(a, qbd, input_precision=DOT_PREC)                    # [SUB*16, GP*NWC]
-            x5 = tl.reshape(xt, (K, NW, 16, GP, NWC)) + b3[:, :, None, :, None]
-            mx = tl.max(tl.max(x5, axis=4), axis=2)                                 # [K, NW, GP]
-            e = tl.sum(tl.sum(tl.exp2(x5 - mx[:, :, None, :, None]), axis=4), axis=2)
-            x3 = mx + log2_fast(e, FAST)
+            lo3, hi3, w0, w1, wp = subtile_words(
+                codes_ptr, lo_ptr, hi_ptr, pg2, ch, m3, stride_lo, stride_hi, stride_codes,
+                REC, K, NW, R, NWC, BCS, CCS)
+            x3 = subtile_x(lo3.to(DT), hi3.to(DT), w0, w1, wp, m3, b3, qbd, magic, DT, K, NW,
+                           R, NWC, GP, SUB, ASM, FAST, DOT_PREC)
             offs_s = c * BW + sc * SUB + tl.arange(0, SUB)
             # (no barrier: x of a page follows its page term's read in the warp that owns it)
             tl.store(s_row + offs_g[None, :] * stride_sg + offs_s[:, None],

@@ -1,0 +1,80 @@
+"""keycode2-sparq's streaming score phase (``kernels/sparq_stream.py``, ``sparq_kernel=3``)
+against ``sparq_tiles`` (``sparq_kernel=2``) and the torch reference: the same per-head scores
+up to the page-term dot's summation order, the same pages, the same numbers on both summary
+layouts (bit for bit), fused and split launches, 4 and 8 warps, rows of 1, 17, 54, 97 and 4097
+pages in mixed batches, GQA and MHA. On DEVICE (compiled on CUDA, interpreted on CPU)."""
+import pytest
+import torch
+
+from sparseserve.kernels import ref
+from sparseserve.kernels.page_select import select_pages
+
+from tests.conftest import DEVICE
+from tests.kernels import to_dev
+from tests.kernels.test_sparq_records import _LAYOUTS, _pair
+
+LOG2E = 1.4426950408889634
+
+
+def _select(v, q, table, num, ch, kernel, splits=None, warps=None):
+    B, Hkv, W = table.shape
+    xs = torch.full((B, Hkv, q.shape[1] // Hkv, W), float("nan"), device=DEVICE)
+    sel = select_pages(q, v["kmin"], v["kmax"], table, num, None, 8, 1, 2, num_splits=splits,
+                       num_warps=warps, codes=v["codes"], bits=2, kmean=v["kmean"],
+                       kscale=v["kscale"], sparq_chan=ch, sparq_kernel=kernel,
+                       sparq_rec=v["rec"], scores_out=xs)
+    return xs.nan_to_num(), sel
+
+
+@pytest.mark.parametrize("Hq,Hkv,layout", [(8, 2, n) for n in
+                                           ("bf16-p32", "f32-p32-strided", "f32-p16",
+                                            "bf16-p64-strided")] + [(4, 4, "bf16-p32")])
+def test_stream_equals_tiles_and_reference(Hq, Hkv, layout):
+    dtype, ps = _LAYOUTS[layout]
+    (new, old), q, table, num, ch = _pair([1, 17, 54, 97], Hq, Hkv, 64, ps, dtype,
+                                          ps + Hq + dtype.itemsize)
+    vn, vo = new[0].views(new[1]), old[0].views(old[1])
+    B, _, W = table.shape
+    tiles_x, tiles_sel = _select(vn, q, table, num, ch, 2)
+    full = torch.arange(W, device=DEVICE).view(1, 1, 1, W) < (num - 1).view(B, Hkv, 1, 1)
+    full = full.expand_as(tiles_x)
+    for splits in (1, 5):
+        got = [_select(v, q, table, num, ch, 3, splits) for v in (vn, vo)]
+        assert torch.equal(got[0][0], got[1][0]), splits  # layout-independent, bit for bit
+        for a, b in zip(got[0][1], got[1][1]):
+            assert torch.equal(a, b)
+        x, sel = got[0]
+        assert torch.equal(x[~full], tiles_x[~full])  # nothing written past the full pages
+        torch.testing.assert_close(x[full], tiles_x[full], rtol=1e-5, atol=1e-5)
+        for a, b in zip(sel, tiles_sel):  # pages, num_sel, blocks
+            assert torch.equal(a, b), splits
+    want = ref.sparq_page_bounds(q, vo["kmean"], vo["kscale"], vo["kmin"], vo["kmax"],
+                                 vo["codes"], ch, table, num) * (64 ** -0.5 * LOG2E)
+    torch.testing.assert_close(x[full], want[full], rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_stream_wide_row_and_warps(splits):
+    """A 4097-page row beside a 5-page one, 4 and 8 warps per program: the same scores bit
+    for bit across warp counts and the same pages as sparq_tiles."""
+    (new, _), q, table, num, ch = _pair([4097, 5], 8, 2, 64, 32, torch.bfloat16, 11)
+    v = new[0].views(new[1])
+    tiles = _select(v, q, table, num, ch, 2, splits)
+    got = [_select(v, q, table, num, ch, 3, splits, warps) for warps in (None, 8)]
+    assert torch.equal(got[0][0], got[1][0])
+    for a, b, c in zip(got[0][1], got[1][1], tiles[1]):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    torch.testing.assert_close(got[0][0], tiles[0], rtol=1e-5, atol=1e-5)
+
+
+def test_algorithm_knob_selects_the_stream_kernel():
+    """``keycode2-sparq@score_kernel=3`` (a class attribute) runs the streaming phase through
+    the algorithm's fused select: its pages equal the default's on the same summaries."""
+    (new, _), q, table, num, _ = _pair([97, 54], 8, 2, 64, 32, torch.bfloat16, 3)
+    alg, summ = new
+    last = to_dev(torch.full((2,), 5, dtype=torch.int32))
+    default = alg.select_kernel(q, table, num, last, summ, backend="triton")
+    alg.score_kernel = 3
+    stream = alg.select_kernel(q, table, num, last, summ, backend="triton")
+    for a, b in zip(default, stream):
+        assert torch.equal(a, b)
