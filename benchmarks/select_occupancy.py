@@ -60,7 +60,7 @@ def run(self, *a, grid, warmup, **kw):
             else list(e) for (n, p), e in zip(sig.parameters.items(), key)]
     caps.append(dict(module=self.fn.__module__, name=self.fn.__name__, grid=list(grid),
                      args=args, options={{k: v for k, v in kw.items()
-                                         if k in ("num_warps", "num_stages", "maxnreg")}}))
+                                         if k in ("num_warps", "num_stages")}}))
 InterpretedFunction.run = run
 P, ps, d, hkv, g, B = 512, {args.page_size}, 128, 8, 4, {args.batch}
 W = -(-{args.context} // ps)

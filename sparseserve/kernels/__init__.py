@@ -147,7 +147,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                  local_pages, out_pages=None, out_num=None, out_blocks=None, *, backend=None,
                  num_splits=None, num_warps=None, n_sub=1, codes=None, bits=0, kmean=None,
                  chan=None, kscale=None, sparq_chan=None, sparq_kernel=None, sparq_asm=None,
-                 sparq_rec=None, sparq_prefetch=None):
+                 sparq_rec=None):
     """Fused Quest/ArkVale selection (score + kept pages + top-k); see
     ``page_select.select_pages``.
 
@@ -162,8 +162,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     (``ref.channel_code_page_bounds``; kmin / kmax are the coded channels' ranges).
     ``sparq_chan`` [B, Hkv, R] with ``codes`` (channel-major), ``kmean``, ``kscale``: each row
     decodes its R channels of every page (``ref.sparq_page_bounds``; kmin / kmax [S, D]);
-    ``sparq_kernel`` / ``sparq_asm`` / ``sparq_prefetch`` (Triton only) pick its score
-    phase's version and options;
+    ``sparq_kernel`` / ``sparq_asm`` (Triton only) pick its score phase's version;
     ``sparq_rec``: the records kmin / kmax / codes are views of (``sparq_records``; Triton
     reads them whole).
     """
@@ -181,7 +180,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     return _triton(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages,
                    sink_pages, local_pages, out_pages, out_num, out_blocks, num_splits=num_splits,
                    num_warps=num_warps, n_sub=n_sub, codes=codes, bits=bits, sparq_kernel=sparq_kernel,
-                   sparq_asm=sparq_asm, sparq_rec=sparq_rec, sparq_prefetch=sparq_prefetch, **cc)
+                   sparq_asm=sparq_asm, sparq_rec=sparq_rec, **cc)
 
 
 def code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits, out=None, *,

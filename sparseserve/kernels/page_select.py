@@ -14,7 +14,7 @@ import triton
 from .page_select_kernel import _page_select_kernel
 from .ref_sparq import channel_major
 from .sparq_records import rec_kind as rec_kind_of
-from .sparq_stream import STREAM_PAGES, STREAM_PREFETCH
+from .sparq_stream import STREAM_PAGES
 from .sparq_tiles import MAGIC_F32, SPARQ_ASM, SPARQ_KERNEL, TILE_PAGES
 
 __all__ = ["select_pages", "MAX_TILE"]
@@ -29,7 +29,6 @@ SPLIT_PROGRAMS_PER_SM = 2  # split mode until rows alone give this many programs
 # sparq_stream's programs hold 16-page tiles (fewer registers): more of them fit an SM, and
 # more programs in flight hide more of its gathers' latency (untuned: sparse.md)
 STREAM_PROGRAMS_PER_SM = 4
-STREAM_MAXNREG = 128  # registers per thread of sparq_stream's score launch (65,536 / (4 x 128))
 # ... and only for rows of more chunks than this: a row of a few chunks scores them in a few
 # us in one program, less than the split mode's second launch (light8 profile, fifteenth
 # session: 2 launches of ~9 us per layer at 160-page rows)
@@ -61,7 +60,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                  local_pages, out_pages=None, out_num=None, out_blocks=None, *, num_splits=None,
                  block_w=None, num_warps=None, n_sub=1, codes=None, bits=0, kmean=None,
                  chan=None, kscale=None, sparq_chan=None, sparq_kernel=None, sparq_asm=None,
-                 sparq_rec=None, sparq_prefetch=None, scores_out=None):
+                 sparq_rec=None, scores_out=None):
     """Fused Quest/ArkVale page selection by estimated attention mass
 (``SparseAlgorithm.select``'s contract over ``Quest.score``; spec: ``ref.select_pages``).
 
@@ -93,8 +92,6 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         sparq_kernel, sparq_asm: its score phase (2: ``sparq_tiles``, 3: ``sparq_stream``,
                        1: ``sparq_codes``)
                        and bf16x2 decoding in it (default: ``sparq_tiles.SPARQ_*``, by env)
-        sparq_prefetch: ``sparq_stream`` loads the next sub-tile while computing this one
-                       (default ``STREAM_PREFETCH``; no effect on the other versions)
         sparq_rec:     [S, D * NR] int32: the records that kmin / kmax / codes view
                        (``sparq_records``); ``sparq_tiles`` then loads whole 4-word records
         scores_out:    [B, Hkv, G, W] fp32 for the per-head scores (``x_g`` above; written
@@ -211,18 +208,13 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                 # on the tensor cores whatever the setting
                 DOT_PREC="ieee" if kmax.dtype == torch.float32 else "tf32",
                 ASM=bool(asm), FAST=q.is_cuda,  # FAST: lg2.approx (not in the interpreter)
-                BCS=kmin.stride(1), CCS=codes.stride(1) if sparq else 1, REC=rec_kind,
-                PREFETCH=version == 3 and (STREAM_PREFETCH if sparq_prefetch is None
-                                           else bool(sparq_prefetch)))
+                BCS=kmin.stride(1), CCS=codes.stride(1) if sparq else 1, REC=rec_kind)
     if splits == 1:
         _page_select_kernel[(B, Hkv, 1)](*args, **meta, DO_SCORE=True, DO_SELECT=True,
                                          NW=sel_warps, num_warps=sel_warps)
     else:
-        # sparq_stream with its prefetch compiles to 138 registers: capped at 128 (no spill,
-        # offline ptxas) it keeps 4 programs of 4 warps per SM instead of 3
-        cap = dict(maxnreg=STREAM_MAXNREG) if meta["PREFETCH"] else {}
         _page_select_kernel[(B, Hkv, splits)](*args, **meta, DO_SCORE=True, DO_SELECT=False,
-                                              NW=num_warps or 4, num_warps=num_warps or 4, **cap)
+                                              NW=num_warps or 4, num_warps=num_warps or 4)
         _page_select_kernel[(B, Hkv, 1)](*args, **meta, DO_SCORE=False, DO_SELECT=True,
                                          NW=sel_warps, num_warps=sel_warps)
     return out_pages, out_num, out_blocks

@@ -24,8 +24,6 @@ a 64-row dot): scores agree to fp32 rounding, the pages chosen are the same away
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
@@ -34,45 +32,9 @@ from .sparq_tiles import row_queries, subtile_words, subtile_x
 
 patch_triton_interpreter()
 
-__all__ = ["sparq_score_stream", "STREAM_PAGES", "STREAM_PREFETCH"]
+__all__ = ["sparq_score_stream", "STREAM_PAGES"]
 
 STREAM_PAGES = 16  # pages per iteration (= block_w of this version)
-# load sub-tile c + 1 (and the ids of c + 2) before computing sub-tile c (module docstring)
-STREAM_PREFETCH = os.environ.get("SPARSESERVE_SPARQ_PREFETCH", "1") not in ("0", "")
-
-
-@triton.jit
-def _stream_ids(pt_row, n, c, SUB: tl.constexpr):
-    """Sub-tile ``c``'s full pages: mask [SUB] and page ids int64."""
-    offs_s = c * SUB + tl.arange(0, SUB)
-    ok = offs_s < n - 1
-    return ok, tl.load(pt_row + offs_s, mask=ok, other=0).to(tl.int64)
-
-
-@triton.jit
-def last(c, c1):
-    """``c`` clamped to the program's last sub-tile ``c1 - 1`` (and to 0)."""
-    return tl.maximum(tl.minimum(c, c1 - 1), 0)
-
-
-@triton.jit
-def _stream_gathers(mean_ptr, lo_ptr, hi_ptr, codes_ptr, kscale_ptr, ch, stride_mean, stride_lo,
-                    stride_hi, stride_codes, ok, page, K: tl.constexpr, NW: tl.constexpr,
-                    R: tl.constexpr, NWC: tl.constexpr, BLOCK_D: tl.constexpr,
-                    D: tl.constexpr, BCS: tl.constexpr, CCS: tl.constexpr, REC: tl.constexpr):
-    """Everything a sub-tile reads once its page ids are known, as one batch of independent
-    loads: scales [SUB], int8 means [SUB, BLOCK_D], the means at the row's channels [SUB, R],
-    and (``sparq_tiles.subtile_words``) box and code words [K, NW, R] + the words' pointers."""
-    offs_d = tl.arange(0, BLOCK_D)
-    ks = tl.load(kscale_ptr + page, mask=ok, other=0.0)
-    mean = tl.load(mean_ptr + page[:, None] * stride_mean + offs_d[None, :],
-                   mask=ok[:, None] & (offs_d < D)[None, :], other=0)
-    mc = tl.load(mean_ptr + page[:, None] * stride_mean + ch[None, :], mask=ok[:, None], other=0)
-    m3 = tl.reshape(ok, (K, NW))[:, :, None]
-    lo3, hi3, w0, w1, wp = subtile_words(
-        codes_ptr, lo_ptr, hi_ptr, tl.reshape(page, (K, NW)), ch, m3, stride_lo, stride_hi,
-        stride_codes, REC, K, NW, R, NWC, BCS, CCS)
-    return ks, mean, mc, lo3, hi3, w0, w1, wp
 
 
 @triton.jit
@@ -83,8 +45,7 @@ def sparq_score_stream(q_row, stride_qh, mean_ptr, lo_ptr, hi_ptr, codes_ptr, ks
                        BLOCK_D: tl.constexpr, PS: tl.constexpr, R: tl.constexpr,
                        SUB: tl.constexpr, NW: tl.constexpr, ASM: tl.constexpr,
                        FAST: tl.constexpr, DOT_PREC: tl.constexpr, BCS: tl.constexpr,
-                       CCS: tl.constexpr, REC: tl.constexpr, STAGES: tl.constexpr,
-                       PREFETCH: tl.constexpr):
+                       CCS: tl.constexpr, REC: tl.constexpr, STAGES: tl.constexpr):
     """``sparq_tiles.sparq_score_tiles``' contract with chunks of ``SUB`` pages: writes
     ``s_row[g, page]`` for the full pages of chunks ``c0 .. c1`` and returns the row's
     (max, sum of exp2(x - max)) per head [GP]."""
@@ -92,35 +53,28 @@ def sparq_score_stream(q_row, stride_qh, mean_ptr, lo_ptr, hi_ptr, codes_ptr, ks
     NWC: tl.constexpr = PS // 16  # code words per channel and page
     K: tl.constexpr = SUB // NW
     offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, BLOCK_D)
     g_ok = offs_g < G
+    d_ok = offs_d < D
     qt, qc, qbd, ch = row_queries(q_row, stride_qh, ch_row, qk_scale, DT, G, GP, D, BLOCK_D, R,
                                   NWC)
     m_acc = tl.full([K, NW, GP], -1e30, tl.float32)  # per (page slot, head): running max
     l_acc = tl.zeros([K, NW, GP], tl.float32)        # and sum of exp2(x - max)
-    # software pipeline: page ids two sub-tiles ahead, their gathers one ahead; past the
-    # program's last sub-tile the prefetches re-read that one (valid rows, never used; a mask
-    # on c < c1 instead cost 17 registers per thread: 3 programs per SM instead of 4)
-    if PREFETCH:
-        ok, page = _stream_ids(pt_row, n, c0, SUB)
-        ks, mean, mc, lo3, hi3, w0, w1, wp = _stream_gathers(
-            mean_ptr, lo_ptr, hi_ptr, codes_ptr, kscale_ptr, ch, stride_mean, stride_lo,
-            stride_hi, stride_codes, ok, page, K, NW, R, NWC, BLOCK_D, D, BCS, CCS, REC)
-        ok_n, page_n = _stream_ids(pt_row, n, last(c0 + 1, c1), SUB)
-    for c in tl.range(c0, c1, num_stages=1 if PREFETCH else STAGES):
-        if PREFETCH:
-            # issue the next sub-tile's gathers (its ids arrived during the last iteration) and
-            # the ids after it before this sub-tile's arithmetic: they load while it computes
-            ks_n, mean_n, mc_n, lo3_n, hi3_n, w0_n, w1_n, wp_n = _stream_gathers(
-                mean_ptr, lo_ptr, hi_ptr, codes_ptr, kscale_ptr, ch, stride_mean, stride_lo,
-                stride_hi, stride_codes, ok_n, page_n, K, NW, R, NWC, BLOCK_D, D, BCS, CCS, REC)
-            ok_nn, page_nn = _stream_ids(pt_row, n, last(c + 2, c1), SUB)
-        else:
-            ok, page = _stream_ids(pt_row, n, c, SUB)
-            ks, mean, mc, lo3, hi3, w0, w1, wp = _stream_gathers(
-                mean_ptr, lo_ptr, hi_ptr, codes_ptr, kscale_ptr, ch, stride_mean, stride_lo,
-                stride_hi, stride_codes, ok, page, K, NW, R, NWC, BLOCK_D, D, BCS, CCS, REC)
-        offs_s = c * SUB + tl.arange(0, SUB)  # page k * NW + w is entry k * NW + w
+    for c in tl.range(c0, c1, num_stages=STAGES):
+        offs_s = c * SUB + tl.arange(0, SUB)          # page k * NW + w is entry k * NW + w
+        ok = offs_s < n - 1  # full pages
+        page = tl.load(pt_row + offs_s, mask=ok, other=0).to(tl.int64)           # [SUB]
+        pg2 = tl.reshape(page, (K, NW))
         m3 = tl.reshape(ok, (K, NW))[:, :, None]
+        # one batch of independent loads: means, scales, the channels' means, the records
+        ks = tl.load(kscale_ptr + page, mask=ok, other=0.0)
+        mean = tl.load(mean_ptr + page[:, None] * stride_mean + offs_d[None, :],
+                       mask=ok[:, None] & d_ok[None, :], other=0)                # [SUB, BLOCK_D]
+        mc = tl.load(mean_ptr + page[:, None] * stride_mean + ch[None, :], mask=ok[:, None],
+                     other=0)                                                     # [SUB, R]
+        lo3, hi3, w0, w1, wp = subtile_words(
+            codes_ptr, lo_ptr, hi_ptr, pg2, ch, m3, stride_lo, stride_hi, stride_codes,
+            REC, K, NW, R, NWC, BCS, CCS)
         # page terms q . mean + q[R] . (lo + step / 2 - mean[R]), as sparq_tiles' step 1
         base = tl.dot(mean.to(DT), qt, input_precision=DOT_PREC) * ks[:, None]   # [SUB, GP]
         lo = tl.reshape(lo3.to(tl.float32), (SUB, R))
@@ -135,10 +89,6 @@ def sparq_score_stream(q_row, stride_qh, mean_ptr, lo_ptr, hi_ptr, codes_ptr, ks
         m_new = tl.maximum(m_acc, xm)
         l_acc = l_acc * tl.exp2(m_acc - m_new) + tl.exp2(xm - m_new)
         m_acc = m_new
-        if PREFETCH:
-            ok, page, ks, mean, mc, lo3, hi3, w0, w1, wp = \
-                ok_n, page_n, ks_n, mean_n, mc_n, lo3_n, hi3_n, w0_n, w1_n, wp_n
-            ok_n, page_n = ok_nn, page_nn
     m_run = tl.max(tl.max(m_acc, axis=1), axis=0)
     l_run = tl.sum(tl.sum(l_acc * tl.exp2(m_acc - m_run[None, None, :]), axis=1), axis=0)
     return m_run, l_run

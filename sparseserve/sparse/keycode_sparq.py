@@ -96,7 +96,6 @@ class KeyCodeSparQ(SparseAlgorithm):
     decode_asm = None    # sparq_tiles' bf16x2 decode on the GPU (None: env)
     select_splits = None  # score programs per row (None: select_pages' heuristic / env)
     select_warps = None  # warps per select program (None: select_pages' choice / env)
-    select_prefetch = None  # sparq_stream's software pipeline (None: env, on)
     from_token_logits = KeyCodes.from_token_logits
 
     def decoded_channels(self, head_dim: int) -> int:
@@ -235,7 +234,7 @@ class KeyCodeSparQ(SparseAlgorithm):
                             num_warps=self.select_warps, codes=v["codes"],
                             bits=2, kmean=v["kmean"], kscale=v["kscale"], sparq_chan=ch,
                             sparq_kernel=self.score_kernel, sparq_asm=self.decode_asm,
-                            sparq_rec=v["rec"], sparq_prefetch=self.select_prefetch)
+                            sparq_rec=v["rec"])
 
     def select_bytes_per_page(self, head_dim: int, element_size: int,
                               sectors: bool = False) -> float:
