@@ -26,9 +26,11 @@ NUM_SPLITS = int(os.environ.get("SPARSESERVE_SELECT_SPLITS", 0)) or None
 BLOCK_W = int(os.environ.get("SPARSESERVE_SELECT_BLOCK_W", 0)) or None
 NUM_WARPS = int(os.environ.get("SPARSESERVE_SELECT_WARPS", 0)) or None
 SPLIT_PROGRAMS_PER_SM = 2  # split mode until rows alone give this many programs per SM
-# sparq_stream's programs hold 16-page tiles (fewer registers): more of them fit an SM, and
-# more programs in flight hide more of its gathers' latency (untuned: sparse.md)
-STREAM_PROGRAMS_PER_SM = 4
+# sparq_stream's programs hold 16-page tiles (128 registers: 4 programs of 4 warps an SM); it
+# is latency-bound, so more programs than fit at once keep every SM's slots busy to the end:
+# at 128k x 16 on the H100 its score launch took 343 us at 5 splits (4 a SM), 258 at 12, 261
+# at 24, 272 at 64 (sparse.md, twenty-first session)
+STREAM_PROGRAMS_PER_SM = 12
 # ... and only for rows of more chunks than this: a row of a few chunks scores them in a few
 # us in one program, less than the split mode's second launch (light8 profile, fifteenth
 # session: 2 launches of ~9 us per layer at 160-page rows)
@@ -89,7 +91,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                        [S, D * PS / 16] or [S, D, PS / 16]) and kmin / kmax [S, D]: each row
                        decodes its R channels (``sparse/keycode_sparq.py``; scores as
                        ``ref.sparq_page_bounds``); kmin / kmax / codes may be strided views
-        sparq_kernel, sparq_asm: its score phase (2: ``sparq_tiles``, 3: ``sparq_stream``,
+        sparq_kernel, sparq_asm: its score phase (3: ``sparq_stream``, 2: ``sparq_tiles``,
                        1: ``sparq_codes``)
                        and bf16x2 decoding in it (default: ``sparq_tiles.SPARQ_*``, by env)
         sparq_rec:     [S, D * NR] int32: the records that kmin / kmax / codes view

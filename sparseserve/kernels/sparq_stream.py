@@ -16,8 +16,16 @@ records (whose box words give the page terms, so no separate box load) — then 
 dots (16 rows), the decoded tokens' dot, and one store of the page's ``x``. Two levels of
 dependent loads per 16 pages, no barrier, no read-back; the loop is a ``tl.range`` with
 ``num_stages`` so Triton may start the next sub-tile's loads early. Fewer live registers
-(16-row tiles instead of 64) leave room for more programs per SM; the split heuristic gives
-this version more programs per row (``page_select.STREAM_PROGRAMS_PER_SM``).
+(16-row tiles instead of 64: 128 instead of 143, offline ptxas) leave room for 4 programs of
+4 warps per SM instead of 3; the split heuristic gives this version 12 programs per SM
+(``page_select.STREAM_PROGRAMS_PER_SM``).
+
+Measured (H100, 128k x 16, Llama-3-8B heads, the score launch alone, torch.profiler): 258 µs
+at 12 splits against ``sparq_tiles``' 359 µs at its 3 (and 380-395 µs at 6-24: its registers
+cap it at 12 warps per SM whatever the grid); a hand-written software pipeline on top (the
+next sub-tile's gathers issued before this one's arithmetic, 126 registers under maxnreg)
+measured 247-252 µs, within noise, and was not kept. So the phase is no longer bound by one
+chain of load latency per warp; its next limit is unmeasured (sparse.md).
 
 Same numbers as ``sparq_tiles`` up to the page-term dot's summation order (a 16-row instead of
 a 64-row dot): scores agree to fp32 rounding, the pages chosen are the same away from ties.

@@ -1,6 +1,8 @@
 """The score phase of ``keycode2-sparq``'s fused select, laid out for the tensor cores
-(``page_select.select_pages(..., sparq_chan=)``, the default; ``sparq_codes.sparq_page_x`` is
-the first version, kept for comparison: ``SPARSESERVE_SPARQ_KERNEL=1``). Spec:
+(``page_select.select_pages(..., sparq_chan=, sparq_kernel=2)``; ``sparq_stream`` runs the same
+arithmetic in 16-page steps and is the default since it measured 1.37x faster (sparse.md,
+twenty-first session); ``sparq_codes.sparq_page_x`` is the first version, kept for comparison:
+``SPARSESERVE_SPARQ_KERNEL=1``). The sub-tile helpers here serve both tile versions. Spec:
 ``ref.sparq_page_bounds`` (``kernels/ref_sparq.py``), in log2 units.
 
 Why a second version. The first decodes a tile of 16 pages x 32 tokens x R channels into one
@@ -64,8 +66,8 @@ patch_triton_interpreter()
 
 __all__ = ["sparq_score_tiles", "log2_fast", "SPARQ_KERNEL", "SPARQ_ASM", "TILE_PAGES"]
 
-# 2: this module's score phase; 1: sparq_codes.sparq_page_x (the first version)
-SPARQ_KERNEL = int(os.environ.get("SPARSESERVE_SPARQ_KERNEL", 2))
+# 3: sparq_stream (the default); 2: this module's score phase; 1: sparq_codes.sparq_page_x
+SPARQ_KERNEL = int(os.environ.get("SPARSESERVE_SPARQ_KERNEL", 3))
 SPARQ_ASM = os.environ.get("SPARSESERVE_SPARQ_ASM", "1") not in ("0", "")
 TILE_PAGES = 64  # BW: pages per chunk (page terms), sub-tiles of 16 for the tokens
 MAGIC_F32 = 0x3F800000  # the bits of 1.0f (a kernel argument: the compiler keeps it in a

@@ -52,11 +52,13 @@ sectors of two records each, hit with ``1 - C(D - 2, R) / C(D, R)``: ~547 B at D
 
 ``select`` is two launches: ``kernels.sparq_channels`` (the channel choice; on CPU its torch
 reference recomputes the width sums instead of caching them) and the fused
-``kernels.select_pages(..., sparq_chan=)``, whose score phase is ``kernels/sparq_tiles.py``
-(the page terms ``q . mean`` + ``q[R] . (lo + step / 2 - mean[R])`` as dots over 64 pages,
-then per 16 pages one ``[256 tokens, 2 R] x [2 R, 2 GP]`` dot of the decoded codes laid out
-so that each page's tokens stay in one warp; then the page mass, threshold and compaction
-shared with the other algorithms). Its first version, ``sparq_codes.sparq_page_x``, measured
+``kernels.select_pages(..., sparq_chan=)``, whose score phase is ``kernels/sparq_stream.py``
+(per 16 pages: the page terms ``q . mean`` + ``q[R] . (lo + step / 2 - mean[R])`` as two
+16-row dots, then one ``[256 tokens, 2 R] x [2 R, 2 GP]`` dot of the decoded codes laid out
+so that each page's tokens stay in one warp, all in registers; ``sparq_tiles`` does the page
+terms over 64 pages through the score row, 1.37x slower on the H100; then the page mass,
+threshold and compaction shared with the other algorithms). Its first version,
+``sparq_codes.sparq_page_x``, measured
 1.5 ms per layer at 128k x 16 on the H200 (0.8x dense), arithmetic-bound; ``score_kernel`` /
 ``decode_asm`` (class attributes, None: the ``SPARSESERVE_SPARQ_KERNEL`` / ``_ASM`` defaults)
 pick the version and the bf16x2 decode for comparisons. ``score`` (the generic path,
@@ -92,7 +94,7 @@ class KeyCodeSparQ(SparseAlgorithm):
     bits = 2
     channels = 16  # R (at most head_dim)
     fused_select = os.environ.get("SPARSESERVE_FUSED_SELECT", "1") not in ("0", "")
-    score_kernel = None  # score phase: 2 sparq_tiles, 3 sparq_stream, 1 sparq_codes (None: env)
+    score_kernel = None  # score phase: 3 sparq_stream, 2 sparq_tiles, 1 sparq_codes (None: env)
     decode_asm = None    # sparq_tiles' bf16x2 decode on the GPU (None: env)
     select_splits = None  # score programs per row (None: select_pages' heuristic / env)
     select_warps = None  # warps per select program (None: select_pages' choice / env)
