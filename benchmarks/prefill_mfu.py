@@ -108,6 +108,11 @@ def run_context(model: str, context: int, rows: int, a, device: str, dtype: str,
                 break
         if repeat == 0 and a.profile:  # one more prompt between the two, every step profiled
             profiles = profile_prompt(eng, rng.integers(10, vocab, context).tolist(), a.profile)
+            # and one under cProfile: the Python functions the host time is spent in (the
+            # torch profiler sees ops, not the Python around them)
+            python = host_profile_prompt(eng, rng.integers(10, vocab, context).tolist(),
+                                         a.profile)
+            profiles = [dict(p, python=py) for p, py in zip(profiles, python)]
     eng.shutdown()
     eng.shutdown()
     del llm, eng, sched
@@ -156,6 +161,40 @@ def profile_prompt(eng, prompt: list[int], top: int) -> list[dict]:
     return out
 
 
+def host_profile_prompt(eng, prompt: list[int], top: int) -> list[dict]:
+    """Prefill `prompt` with every step under cProfile -> per step the `top` Python functions
+    by own time and by cumulative time (``file:line(name)``, ms, calls), and the step's total
+    function calls: where the host share goes below the torch ops (a step of the two-tier
+    cache's prefill made ~2.5x dense's Python calls on the CPU, engine.md twenty-first
+    session)."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    from sparseserve import SamplingParams
+
+    eng.add_request("host-profiled", {"prompt_token_ids": prompt},
+                    SamplingParams(max_tokens=1, ignore_eos=True))
+    out = []
+    while "host-profiled" in eng.scheduler.requests:
+        prof = cProfile.Profile()
+        prof.enable()
+        eng.step()
+        prof.disable()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        st = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+        rows = [{"fn": f"{os.path.relpath(f) if f.startswith('/') else f}:{ln}({name})",
+                 "calls": nc, "own_ms": 1e3 * tt, "cum_ms": 1e3 * ct}
+                for (f, ln, name), (cc, nc, tt, ct, _) in st.items()]
+        out.append({"calls": sum(r["calls"] for r in rows),
+                    "by_own": sorted(rows, key=lambda r: -r["own_ms"])[:top],
+                    "by_cum": [r for r in sorted(rows, key=lambda r: -r["cum_ms"])
+                               if "sparseserve" in r["fn"]][:top]})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="JSON result path")
@@ -174,8 +213,9 @@ def main(argv=None) -> int:
                    help="the bf16 matmul rate MFU is relative to (measured on the H200)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", type=int, default=0, metavar="TOP",
-                   help="also prefill one more prompt under torch.profiler and keep each step's "
-                        "TOP host ops by self CPU time (where the host share goes)")
+                   help="also prefill two more prompts, under torch.profiler and cProfile, and keep "
+                        "each step's TOP host ops by self CPU time and TOP Python functions "
+                        "(where the host share goes)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     a = p.parse_args(argv)
     contexts = [int(x) for x in a.contexts.split(",")]

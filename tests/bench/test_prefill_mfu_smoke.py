@@ -44,6 +44,13 @@ def test_prefill_mfu_smoke(tmp_path):
         # one profile per step of the profiled prompt, each with its top host ops
         assert len(run["profiles"]) == len(steps)
         assert all(0 < len(p["top_self_cpu"]) <= 5 for p in run["profiles"])
+        # and its Python functions (cProfile): the step itself is among the cumulative top
+        for p in run["profiles"]:
+            py = p["python"]
+            assert py["calls"] > 0 and 0 < len(py["by_own"]) <= 5 and len(py["by_cum"]) <= 5
+            assert any(r["fn"].endswith("(step)") and "llm_engine" in r["fn"]
+                       for r in py["by_cum"])
+            assert all(r["cum_ms"] >= r["own_ms"] >= 0 for r in py["by_own"] + py["by_cum"])
         for s in run["steps"]:
             assert 0 < s["tokens"] <= run["chunk"] and 0 < s["host_ms"] <= s["wall_ms"] * 1.01
             assert abs(s["mfu"] * 790e12 - s["tflops"] * 1e12) < 1e-6 * s["tflops"] * 1e12
