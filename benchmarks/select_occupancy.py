@@ -46,9 +46,7 @@ from sparseserve.kernels.specialisations import SpecialisationLog, _is_constexpr
 from sparseserve.sparse import get_algorithm_class
 from triton.runtime.interpreter import InterpretedFunction
 # the split heuristic as on the GPU's SM count (the CPU's stand-in is 8)
-ps_mod._num_sms = lambda index: {SMS}
-ps_mod._default_splits = lambda q, rows, chunks, per_sm=ps_mod.SPLIT_PROGRAMS_PER_SM: min(
-    chunks, ps_mod.MAX_SPLITS, max(1, -(-per_sm * {SMS} // rows))) if chunks > ps_mod.FUSED_MAX_CHUNKS else 1
+ps_mod.CPU_SMS = {SMS}
 log, caps = SpecialisationLog(), []
 def run(self, *a, grid, warmup, **kw):
     sig = inspect.signature(self.fn)

@@ -36,7 +36,7 @@ def analyse(rows):
             f"select reads {r['select_over_attend_bytes']:.2f}x attend's bytes")
         if r.get("select_kernels"):
             lines.append("    select launches: " + "; ".join(
-                f"{k['name']} {k['us']:.1f} us" if isinstance(k["us"], float) else k["name"]
+                f"{k['name']} {k['us']:.1f} us" if k["us"] is not None else k["name"]
                 for k in r["select_kernels"]))
     dom = [r for r in at if r["select_share"] > 0.5]
     if dom:

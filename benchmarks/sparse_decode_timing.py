@@ -89,9 +89,13 @@ def kernel_sequence(torch, fn, reps=10):
         torch.cuda.synchronize()
     kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
-    if not kernels or len(kernels) % reps:
-        return [{"name": "(launch count not a multiple of reps)", "us": len(kernels)}]
+    if not kernels:
+        return [{"name": "(no device kernels recorded: CUPTI unavailable?)", "us": None}]
     per = len(kernels) // reps
+    names = [k.name for k in kernels]
+    if len(kernels) % reps or any(names[i] != names[i % per] for i in range(len(names))):
+        return [{"name": f"(calls launched different kernels: {len(kernels)} over {reps} calls)",
+                 "us": None, "count": len(kernels)}]
     return [{"name": kernels[i].name[:80],
              "us": sum(kernels[i + j * per].time_range.elapsed_us() for j in range(reps)) / reps}
             for i in range(per)]

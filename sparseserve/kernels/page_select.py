@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 import triton
@@ -31,10 +32,11 @@ SPLIT_PROGRAMS_PER_SM = 2  # split mode until rows alone give this many programs
 # at 128k x 16 on the H100 its score launch took 343 us at 5 splits (4 a SM), 258 at 12, 261
 # at 24, 272 at 64 (sparse.md, twenty-first session)
 STREAM_PROGRAMS_PER_SM = 12
-# ... and only for rows of more chunks than this: a row of a few chunks scores them in a few
-# us in one program, less than the split mode's second launch (light8 profile, fifteenth
-# session: 2 launches of ~9 us per layer at 160-page rows)
-FUSED_MAX_CHUNKS = 4
+# ... and only for rows of more pages than this: a short row is scored in a few us by one
+# program, less than the split mode's second launch (light8 profile, fifteenth session: 2
+# launches of ~9 us per layer at 160-page rows). In pages, not chunks: chunks are 16 to 64
+# pages depending on the score phase
+FUSED_MAX_PAGES = 256
 # score programs per row at most; the select phase merges their partials in one tile of this
 # size whatever the step's split count (a constexpr that followed the batch would compile a
 # variant per power of two mid-serving: serving.md, twentieth session)
@@ -48,10 +50,12 @@ def _num_sms(index) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _default_splits(q, rows: int, chunks: int, per_sm: int = SPLIT_PROGRAMS_PER_SM) -> int:
+def _default_splits(q, rows: int, chunks: int, block_w: int,
+                    per_sm: int = SPLIT_PROGRAMS_PER_SM) -> int:
     """Programs per row for the score phase: 1 (fused) once rows alone give ``per_sm``
-    programs per SM, or when a row has at most FUSED_MAX_CHUNKS chunks."""
-    if chunks <= FUSED_MAX_CHUNKS:
+    programs per SM, or when a row (``chunks`` of ``block_w`` pages) has at most
+    FUSED_MAX_PAGES pages."""
+    if chunks * block_w <= FUSED_MAX_PAGES:
         return 1
     sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if q.is_cuda else CPU_SMS
@@ -77,7 +81,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         budget_pages, sink_pages, local_pages: ints
         out_pages / out_num / out_blocks:  optional outputs, written in place
         num_splits:    score programs per row (1 = one fused launch; default: by SM count)
-        block_w, num_warps: tuning overrides (pages per score step; warps of each launch)
+        block_w, num_warps: tuning overrides (pages per score step, fixed at 16 for
+                       ``sparq_stream``; warps of each launch)
         n_sub:         boxes per page row (1: Quest / ArkVale's one box per page)
         codes, bits:   token key codes (``sparse/keycodes.py``): codes [S, page_size * D *
                        bits / 32] int32 and kmin/kmax [S, D] their range; a page's per-head
@@ -95,7 +100,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                        1: ``sparq_codes``)
                        and bf16x2 decoding in it (default: ``sparq_tiles.SPARQ_*``, by env)
         sparq_rec:     [S, D * NR] int32: the records that kmin / kmax / codes view
-                       (``sparq_records``); ``sparq_tiles`` then loads whole 4-word records
+                       (``sparq_records``); ``sparq_tiles`` / ``sparq_stream`` then load whole
+                       4-word records
         scores_out:    [B, Hkv, G, W] fp32 for the per-head scores (``x_g`` above; written
                        for the full pages), else scratch
     Returns:
@@ -172,13 +178,18 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     if version == 2:  # chunks of TILE_PAGES pages (a multiple of 16: sub-tiles of 16)
         block_w = block_w if block_w and block_w % 16 == 0 else TILE_PAGES
     elif version == 3:  # one sub-tile an iteration
+        if block_w not in (None, STREAM_PAGES):
+            warnings.warn(f"select_pages: block_w={block_w} (or SPARSESERVE_SELECT_BLOCK_W) does "
+                          f"nothing for sparq_stream (sparq_kernel=3), whose step is "
+                          f"{STREAM_PAGES} pages; pass sparq_kernel=2 to sweep it", stacklevel=2)
         block_w = STREAM_PAGES
     block_w = block_w or (16 if R else max(1, min(16, 8192 // (ps * BLOCK_D))) if bits
                           else max(16, min(64, 8192 // BLOCK_D)))
     TILE = max(16, min(MAX_TILE, triton.next_power_of_2(W)))
     chunks = triton.cdiv(W, block_w)
     splits = num_splits or _default_splits(
-        q, B * Hkv, chunks, STREAM_PROGRAMS_PER_SM if version == 3 else SPLIT_PROGRAMS_PER_SM)
+        q, B * Hkv, chunks, block_w,
+        STREAM_PROGRAMS_PER_SM if version == 3 else SPLIT_PROGRAMS_PER_SM)
     splits = max(1, min(splits, chunks, MAX_SPLITS))
     cps = triton.cdiv(chunks, splits)
     splits = triton.cdiv(chunks, cps)

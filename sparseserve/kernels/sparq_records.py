@@ -28,7 +28,7 @@ padding); fp32 KV or page 16 / 64 pad (NR 8, 8-word records at fp32 page 32).
 
 ``record_views`` gives the first layout's tensors as strided views of the records, so every
 reference and the generic kernels read either layout through channel strides; the fused
-select's score phase (``sparq_tiles``) loads whole records where ``NR`` is 4.
+select's score phases (``sparq_stream``, ``sparq_tiles``) load whole records where ``NR`` is 4.
 """
 from __future__ import annotations
 

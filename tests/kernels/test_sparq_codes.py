@@ -191,7 +191,8 @@ def test_fused_select_with_sparq_matches_reference(Hq, Hkv, D):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kernel", [2, 1])
 def test_fused_select_scores_match_reference(kernel, dtype, ps):
-    """The score phase of the fused select (``sparq_tiles`` = 2, the default, and the first
+    """The score phase of the fused select (``sparq_tiles`` = 2; the default ``sparq_stream``
+    = 3 has its own tests in test_sparq_stream.py; and the first
     version ``sparq_codes.sparq_page_x`` = 1), through ``scores_out``: every full page's
     per-head score == ``ref.sparq_page_bounds`` in log2 units, split and fused launches, page
     16 / 32 / 64 (1, 2, 4 code words a channel), fp32 and bf16 summaries (on CUDA, bf16 at

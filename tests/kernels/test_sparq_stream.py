@@ -1,8 +1,9 @@
 """keycode2-sparq's streaming score phase (``kernels/sparq_stream.py``, ``sparq_kernel=3``)
 against ``sparq_tiles`` (``sparq_kernel=2``) and the torch reference: the same per-head scores
 up to the page-term dot's summation order, the same pages, the same numbers on both summary
-layouts (bit for bit), fused and split launches, 4 and 8 warps, rows of 1, 17, 54, 97 and 4097
-pages in mixed batches, GQA and MHA. On DEVICE (compiled on CUDA, interpreted on CPU)."""
+layouts (bit for bit), fused and split launches, the default warps and 8, rows of 1, 17, 54,
+97 and 4097 pages in mixed batches, GQA and MHA, every record kind (bf16, fp16, fp32 boxes;
+whole-record and strided loads). On DEVICE (compiled on CUDA, interpreted on CPU)."""
 import pytest
 import torch
 
@@ -23,11 +24,12 @@ def _select(v, q, table, num, ch, kernel, splits=None, warps=None):
                        num_warps=warps, codes=v["codes"], bits=2, kmean=v["kmean"],
                        kscale=v["kscale"], sparq_chan=ch, sparq_kernel=kernel,
                        sparq_rec=v["rec"], scores_out=xs)
-    return xs.nan_to_num(), sel
+    return xs, sel
 
 
 @pytest.mark.parametrize("Hq,Hkv,layout", [(8, 2, n) for n in
-                                           ("bf16-p32", "f32-p32-strided", "f32-p16",
+                                           ("bf16-p32", "f16-p32", "bf16-p16",
+                                            "f32-p32-strided", "f32-p16",
                                             "bf16-p64-strided")] + [(4, 4, "bf16-p32")])
 def test_stream_equals_tiles_and_reference(Hq, Hkv, layout):
     dtype, ps = _LAYOUTS[layout]
@@ -40,11 +42,12 @@ def test_stream_equals_tiles_and_reference(Hq, Hkv, layout):
     full = full.expand_as(tiles_x)
     for splits in (1, 5):
         got = [_select(v, q, table, num, ch, 3, splits) for v in (vn, vo)]
-        assert torch.equal(got[0][0], got[1][0]), splits  # layout-independent, bit for bit
+        # layout-independent, bit for bit (NaN: the entries past the full pages, never written)
+        assert torch.equal(got[0][0].nan_to_num(), got[1][0].nan_to_num()), splits
         for a, b in zip(got[0][1], got[1][1]):
             assert torch.equal(a, b)
         x, sel = got[0]
-        assert torch.equal(x[~full], tiles_x[~full])  # nothing written past the full pages
+        assert x[~full].isnan().all() and not x[full].isnan().any()  # only full pages written
         torch.testing.assert_close(x[full], tiles_x[full], rtol=1e-5, atol=1e-5)
         for a, b in zip(sel, tiles_sel):  # pages, num_sel, blocks
             assert torch.equal(a, b), splits
@@ -55,26 +58,29 @@ def test_stream_equals_tiles_and_reference(Hq, Hkv, layout):
 
 @pytest.mark.parametrize("splits", [1, 3])
 def test_stream_wide_row_and_warps(splits):
-    """A 4097-page row beside a 5-page one, 4 and 8 warps per program: the same scores bit
-    for bit across warp counts and the same pages as sparq_tiles."""
+    """A 4097-page row beside a 5-page one, the default warps per program (16 fused at this
+    width, 4 split) and 8: the same scores bit for bit across warp counts and the same pages
+    as sparq_tiles."""
     (new, _), q, table, num, ch = _pair([4097, 5], 8, 2, 64, 32, torch.bfloat16, 11)
     v = new[0].views(new[1])
     tiles = _select(v, q, table, num, ch, 2, splits)
     got = [_select(v, q, table, num, ch, 3, splits, warps) for warps in (None, 8)]
-    assert torch.equal(got[0][0], got[1][0])
+    assert torch.equal(got[0][0].nan_to_num(), got[1][0].nan_to_num())
     for a, b, c in zip(got[0][1], got[1][1], tiles[1]):
         assert torch.equal(a, b) and torch.equal(a, c)
-    torch.testing.assert_close(got[0][0], tiles[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[0][0].nan_to_num(), tiles[0].nan_to_num(), rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_algorithm_knob_selects_the_stream_kernel():
-    """``keycode2-sparq@score_kernel=3`` (a class attribute) runs the streaming phase through
-    the algorithm's fused select: its pages equal the default's on the same summaries."""
+    """``keycode2-sparq@score_kernel=N`` (a class attribute) picks the score phase of the
+    algorithm's fused select: the stream (3, the default) and the tiles (2) choose the same
+    pages on the same summaries."""
     (new, _), q, table, num, _ = _pair([97, 54], 8, 2, 64, 32, torch.bfloat16, 3)
     alg, summ = new
     last = to_dev(torch.full((2,), 5, dtype=torch.int32))
-    default = alg.select_kernel(q, table, num, last, summ, backend="triton")
-    alg.score_kernel = 3
-    stream = alg.select_kernel(q, table, num, last, summ, backend="triton")
-    for a, b in zip(default, stream):
+    stream = alg.select_kernel(q, table, num, last, summ, backend="triton")  # the default
+    alg.score_kernel = 2
+    tiles = alg.select_kernel(q, table, num, last, summ, backend="triton")
+    for a, b in zip(tiles, stream):
         assert torch.equal(a, b)
