@@ -96,6 +96,7 @@ def compare(result: dict) -> dict:
                                                or [], g_dense),
             "goodput_x_range": goodput_ratio_range(pts, g, result["presets"]["dense"].get(
                 "points") or [], g_dense),
+            "goodput_x_interpolated": _interpolated_ratio(result, pts, g, g_dense),
             "per_rate": per_rate,
             "saturation_throughput_x": sat,
             "throughput_x_at_highest_rate": top and top["throughput_x"],
@@ -164,6 +165,19 @@ def goodput_bracket(points: list[dict], rate) -> tuple[float, float | None] | No
     return rate_value(rate), (min(above) if above else None)
 
 
+def _interpolated_ratio(result: dict, points: list[dict], rate, dense_rate):
+    """goodput_interpolated's ratio to dense's, with the run's SLOs (settings); None when
+    either end is not interpolable."""
+    st = result.get("settings") or {}
+    slo, queue = st.get("tbt_slo_ms_used"), st.get("queue_slo_s")
+    if slo is None or queue is None:
+        return None
+    mine = goodput_interpolated(points, rate, slo, queue)
+    dense = goodput_interpolated(result["presets"]["dense"].get("points") or [], dense_rate,
+                                 slo, queue)
+    return _div(mine, dense) if None not in (mine, dense) else None
+
+
 def goodput_ratio_range(points, rate, dense_points, dense_rate) -> list | None:
     """The goodput ratio's range given the ladders' resolution: [mine / dense's next rung,
     my next rung / dense's], open at both ends; None for an end a floor leaves unbounded
@@ -174,6 +188,30 @@ def goodput_ratio_range(points, rate, dense_points, dense_rate) -> list | None:
     lo = mine[0] / dense[1] if dense[1] else None
     hi = mine[1] / dense[0] if mine[1] else None
     return [lo, hi]
+
+
+def goodput_interpolated(points: list[dict], rate, tbt_slo: float, queue_slo_s: float):
+    """Where between the goodput rung and the next measured rung the SLOs are crossed, by
+    linear interpolation of each SLO metric (P99 TBT, mean queueing delay) that the next rung
+    misses: the lowest crossing rate. None when the goodput is not bracketed by a measured
+    higher rung, or either rung lacks a metric it needs. An estimate between two measurements,
+    reported beside the measured goodput, never instead of it."""
+    br = goodput_bracket(points, rate)
+    if br is None or br[1] is None:
+        return None
+    by_rate = {rate_value(p["rate"]): p for p in points if p.get("completed") is not None}
+    lo, hi = by_rate.get(br[0]), by_rate.get(br[1])
+    if lo is None or hi is None:
+        return None
+    crossings = []
+    for key, slo in (("p99_itl_ms", tbt_slo), ("mean_queue_s", queue_slo_s)):
+        a, b = lo.get(key), hi.get(key)
+        if b is None or b <= slo:
+            continue  # the next rung meets this SLO: it did not bound the goodput
+        if a is None or a > slo or b <= a:
+            return None
+        crossings.append(br[0] + (slo - a) / (b - a) * (br[1] - br[0]))
+    return min(crossings) if crossings else None
 
 
 def goodput_quality(points: list[dict], rate, dense_points: list[dict], dense_rate) -> str:
@@ -233,7 +271,9 @@ def table(result: dict) -> str:
                 f"{TARGETS['ttft_x_lower']}x: {_met(c['ttft_target_met'])}), "
                 f"{_x(c['ttft_x_lower_at_highest_rate'])}x at the highest rate; goodput "
                 f"{_x(c.get('goodput_x'))}x ({c.get('goodput_quality')}"
-                f"{_range(c.get('goodput_x_range'))})")
+                f"{_range(c.get('goodput_x_range'))}"
+                + (f"; ~{c['goodput_x_interpolated']:.2f}x interpolating each SLO metric to its "
+                   "limit between the rungs" if c.get("goodput_x_interpolated") else "") + ")")
     if result.get("errors"):
         out += "\nerrors: " + "; ".join(f"{e['part']}: {e['error'][:120]}" for e in result["errors"])
     return out

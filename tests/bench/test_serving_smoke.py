@@ -157,6 +157,37 @@ def test_goodput_ratio_range_follows_the_rungs():
     assert R._range([None, None]) == "" and R._range(None) == ""
 
 
+def test_goodput_interpolated_between_the_rungs():
+    """The twenty-first session's H100 ladders: dense meets the queue SLO at 3.75 (1.49 s) and
+    misses it at 4.688 (2.34 s), so its queue reaches 2 s at 3.75 + 0.51 / 0.85 x 0.938; an SLO
+    the next rung meets does not bound it; a metric missed already at the goodput, a floor,
+    or a missing metric give no estimate; the ratio goes into compare() and the summary."""
+    def pt(rate, queue, p99=195.0):
+        return {"rate": rate, "completed": 32, "num_prompts": 32, "mean_queue_s": queue,
+                "p99_itl_ms": p99}
+    dense = [pt(2.0, 0.30), pt(3.0, 0.74), pt(3.75, 1.49), pt(4.688, 2.34)]
+    want = 3.75 + (2.0 - 1.49) / (2.34 - 1.49) * (4.688 - 3.75)
+    assert R.goodput_interpolated(dense, 3.75, 327.5, 2.0) == pytest.approx(want)
+    # both SLOs missed at the next rung: the lower crossing (TBT at 3.75 + 0.25 x 0.938)
+    both = dense[:3] + [pt(4.688, 2.34, p99=427.5)]
+    tbt = 3.75 + (327.5 - 195.0) / (427.5 - 195.0) * (4.688 - 3.75)
+    assert R.goodput_interpolated(both, 3.75, 327.5, 2.0) == pytest.approx(min(want, tbt))
+    assert R.goodput_interpolated(dense[:3], 3.75, 327.5, 2.0) is None  # a floor
+    assert R.goodput_interpolated(dense, None, 327.5, 2.0) is None
+    gap = dense[:3] + [{"rate": 4.688, "completed": 32, "num_prompts": 32, "p99_itl_ms": 400.0}]
+    assert R.goodput_interpolated(gap[:2] + [dict(gap[2], p99_itl_ms=None)] + gap[3:], 3.75,
+                                  327.5, 2.0) is None
+    mine = [pt(3.0, 0.47), pt(4.5, 0.97), pt(5.625, 1.70), pt(7.031, 2.70)]
+    result = {"settings": {"tbt_slo_ms_used": 327.5, "queue_slo_s": 2.0},
+              "presets": {"dense": {"points": dense, "goodput_rate": 3.75},
+                          "sparseserve": {"points": mine, "goodput_rate": 5.625}}}
+    mine_x = 5.625 + 0.3 / 1.0 * (7.031 - 5.625)
+    c = R.compare(result)["sparseserve"]
+    assert c["goodput_x_interpolated"] == pytest.approx(mine_x / want)  # ~1.40
+    assert f"~{mine_x / want:.2f}x interpolating" in R.table({**result, "comparison": {
+        "sparseserve": c}})
+
+
 def test_rates_of_each_configuration(tmp_path):
     """--rates-of gives one configuration its own rates (a goodput sweep probes dense below
     its saturation); a name not run, or a rate <= 0, is an error that says what to pass."""
