@@ -56,18 +56,20 @@ def test_stream_equals_tiles_and_reference(Hq, Hkv, layout):
     torch.testing.assert_close(x[full], want[full], rtol=2e-2, atol=5e-2)
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_stream_wide_row_and_warps(splits):
-    """A 4097-page row beside a 5-page one, the default warps per program (16 fused at this
-    width, 4 split) and 8: the same scores bit for bit across warp counts and the same pages
-    as sparq_tiles."""
+def test_stream_wide_row_and_warps():
+    """A 4097-page row beside a 5-page one: the stream fused (one program per row, 16 warps at
+    this width), split with the default 4 warps and split with 8 — the same scores bit for
+    bit and the same pages as sparq_tiles (split)."""
     (new, _), q, table, num, ch = _pair([4097, 5], 8, 2, 64, 32, torch.bfloat16, 11)
     v = new[0].views(new[1])
-    tiles = _select(v, q, table, num, ch, 2, splits)
-    got = [_select(v, q, table, num, ch, 3, splits, warps) for warps in (None, 8)]
-    assert torch.equal(got[0][0].nan_to_num(), got[1][0].nan_to_num())
-    for a, b, c in zip(got[0][1], got[1][1], tiles[1]):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    tiles = _select(v, q, table, num, ch, 2, 3)
+    got = [_select(v, q, table, num, ch, 3, splits, warps)
+           for splits, warps in ((3, None), (1, None), (3, 8))]
+    for other in got[1:]:
+        assert torch.equal(got[0][0].nan_to_num(), other[0].nan_to_num())
+    for g in got:
+        for a, c in zip(g[1], tiles[1]):
+            assert torch.equal(a, c)
     torch.testing.assert_close(got[0][0].nan_to_num(), tiles[0].nan_to_num(), rtol=1e-5,
                                atol=1e-5)
 
