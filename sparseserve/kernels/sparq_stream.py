@@ -14,8 +14,11 @@ Here one iteration is one sub-tile of 16 pages (page ``k * NW + w`` on warp ``w`
 independent loads — the int8 means and scales, the means at the row's channels and the whole
 records (whose box words give the page terms, so no separate box load) — then the page-term
 dots (16 rows), the decoded tokens' dot, and one store of the page's ``x``. Two levels of
-dependent loads per 16 pages, no barrier, no read-back; the loop is a ``tl.range`` with
-``num_stages`` so Triton may start the next sub-tile's loads early. Fewer live registers
+dependent loads per 16 pages, no explicit barrier, no read-back; the loop is a ``tl.range``
+with ``num_stages`` and Triton's pipeliner double-buffers it (the next sub-tile's loads go to
+shared memory by async copies while this one computes). The compiled loop still has 7
+``BAR.SYNC`` per iteration (those copies' waits, the dots' operand and the reductions' layout
+conversions through shared memory; offline SASS, sparse.md). Fewer live registers
 (16-row tiles instead of 64: 128 instead of 143, offline ptxas) leave room for 4 programs of
 4 warps per SM instead of 3; the split heuristic gives this version 12 programs per SM
 (``page_select.STREAM_PROGRAMS_PER_SM``).
@@ -24,8 +27,9 @@ Measured (H100, 128k x 16, Llama-3-8B heads, the score launch alone, torch.profi
 at 12 splits against ``sparq_tiles``' 359 µs at its 3 (and 380-395 µs at 6-24: its registers
 cap it at 12 warps per SM whatever the grid); a hand-written software pipeline on top (the
 next sub-tile's gathers issued before this one's arithmetic, 126 registers under maxnreg)
-measured 247-252 µs, within noise, and was not kept. So the phase is no longer bound by one
-chain of load latency per warp; its next limit is unmeasured (sparse.md).
+measured 247-252 µs, within noise, and was not kept (the pipeliner already does it). At
+~743 SASS instructions per warp per 16 pages the launch issues at ~41 % of the H100's rate;
+the barriers are the next suspect, to be confirmed by Nsight Compute (sparse.md).
 
 Same numbers as ``sparq_tiles`` up to the page-term dot's summation order (a 16-row instead of
 a 64-row dot): scores agree to fp32 rounding, the pages chosen are the same away from ties.
