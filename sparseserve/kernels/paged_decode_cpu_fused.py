@@ -73,6 +73,9 @@ inline int64_t row_tokens(const Args& a, int64_t b, int64_t h) {
 }
 
 // the scalar path: any G and D, no intrinsics (the compiler vectorises what it can)
+// one (request, KV head) task; declared for every build (the AVX-512 variants are optional)
+using TaskFn = void (*)(const Args&, int64_t, int64_t, std::vector<float>&);
+
 void task_generic(const Args& a, int64_t b, int64_t h, std::vector<float>& s) {
   const int64_t G = a.Hq / a.Hkv, D = a.D, ps = a.ps;
   const int64_t n = row_tokens(a, b, h), np = a.npages[b * a.Hkv + h];
@@ -234,8 +237,6 @@ void task_avx512(const Args& a, int64_t b, int64_t h, std::vector<float>& s) {
   }
 }
 
-using TaskFn = void (*)(const Args&, int64_t, int64_t, std::vector<float>&);
-
 template <int C>
 TaskFn pick_g(int64_t G) {
   switch (G) {
@@ -299,7 +300,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 """
 
-_EXT = CpuExtension("sparseserve_paged_decode_cpu_v7", _SOURCE, ["paged_decode", "has_avx512"],
+_EXT = CpuExtension("sparseserve_paged_decode_cpu_v8", _SOURCE, ["paged_decode", "has_avx512"],
                    "SPARSESERVE_CPU_DECODE", "fused CPU paged decode kernel")
 
 

@@ -3,12 +3,13 @@
 tests (tests/kernels/test_fused_layer_ops.py: 8 ulps; only the sum of squares is summed in
 another order than torch's, moving rstd by its last bit), at odd row counts and hidden sizes,
 with and without the residual, on the AVX-512 path ("fused", where the machine has it) and
-the scalar one ("generic"). Skipped where the kernel does not build (no compiler)."""
+the scalar one ("generic"). Skipped without a compiler; a failed build with one fails."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from sparseserve.kernels import rms_norm_cpu_fused as K
+from sparseserve.kernels.cpu_extension import require_built
 from sparseserve.model import layers
 
 from tests.kernels.test_fused_layer_ops import NORM_ULPS, ulps
@@ -18,8 +19,7 @@ PATHS = ["fused", "generic"]
 
 @pytest.fixture(autouse=True)
 def _built():
-    if not K.available():
-        pytest.skip("the fused CPU RMSNorm kernel does not build here (no compiler)")
+    require_built(K.available(), "fused CPU RMSNorm kernel")
 
 
 def _inputs(T, N, seed):
