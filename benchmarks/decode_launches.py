@@ -53,6 +53,9 @@ def _aliases(out, args) -> bool:
     (to, reshape, contiguous) reach the dispatch mode whole, also when they copy nothing."""
     outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
             if isinstance(t, torch.Tensor)]
+    if any(t.is_mkldnn for t in outs) or any(isinstance(a, torch.Tensor) and a.is_mkldnn
+                                             for a in args):
+        return False  # the CPU's prepacked weights (no storage): a kernel-launching op
     ins = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
     return bool(outs) and all(t.untyped_storage().data_ptr() in ins for t in outs)
 

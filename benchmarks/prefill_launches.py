@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -35,6 +36,10 @@ def build(tmp: str, args):
     from sparseserve import LLM
 
     model, cfg, _ = C.resolve_model(argparse.Namespace(model=None, smoke=True), tmp, 4096)
+    if args.layers != cfg["num_hidden_layers"]:  # deeper: what is per step vs per layer
+        cfg["num_hidden_layers"] = args.layers
+        with open(os.path.join(model, "config.json"), "w") as f:
+            json.dump(cfg, f)
     L, hkv, hd = cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
     page_bytes = 2 * L * args.page_size * hd * 4 * hkv  # K + V, fp32, one page of every head
     kw = dict(device="cpu", dtype="float32", load_format="dummy", page_size=args.page_size,
@@ -96,6 +101,9 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--token-budget", type=int, default=64)
     p.add_argument("--slots", type=int, default=160, help="device slots (pages) per layer")
+    p.add_argument("--layers", type=int, default=2,
+                   help="layers of the tiny model (the smoke config has 2; more show which "
+                        "launches are per step and which per layer)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from sparseserve import SamplingParams

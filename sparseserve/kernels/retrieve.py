@@ -74,13 +74,21 @@ def _fresh_from(fresh_ptr, i, m, n, K, HK, FRESH: tl.constexpr):
 # offset, the pending-mark touch `marks[step % 2]`): a new class would compile a variant
 # mid-serving, which the start-up warm-up cannot foresee (the H200's HTTP TTFT stall:
 # serving.md, twentieth session). Their loads are per-entry gathers: alignment buys nothing.
-@triton.jit(do_not_specialize=["N", "K", "HK"],
+@triton.jit(do_not_specialize=["N", "K", "HK", "layer_out"],
             do_not_specialize_on_alignment=["pages_ptr", "nsel_ptr", "fresh_ptr", "step_ptr",
                                             "stamps_ptr", "sstep_ptr"])
 def _probe_kernel(pages_ptr, nsel_ptr, fresh_ptr, table_ptr, page_of_ptr, last_ptr, step_ptr,
                   slots_ptr, miss_ptr, mcount_ptr, cnt_ptr, stamps_ptr, sstep_ptr, N, K, HK,
-                  mask, scratch_page, scratch_slot, FRESH: tl.constexpr,
-                  HAS_STAMPS: tl.constexpr, BLOCK: tl.constexpr):
+                  mask, scratch_page, scratch_slot, layer_table, layer_slots, layer_out,
+                  FRESH: tl.constexpr, HAS_STAMPS: tl.constexpr, BLOCK: tl.constexpr):
+    # axis 1: the layer (one per call, or every layer of a prefill's mapping: the same pages)
+    j = tl.program_id(1).to(tl.int64)
+    table_ptr += j * layer_table
+    page_of_ptr += j * layer_slots
+    last_ptr += j * layer_slots
+    slots_ptr += j * layer_out
+    miss_ptr += j * N
+    mcount_ptr += j * tl.num_programs(0)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     n = tl.load(nsel_ptr + i // K, mask=m, other=0)
@@ -118,11 +126,16 @@ def _probe_kernel(pages_ptr, nsel_ptr, fresh_ptr, table_ptr, page_of_ptr, last_p
 
 
 @triton.jit(do_not_specialize=["NEED_N"])
-def _resident_kernel(last_ptr, owner_ptr, resident_ptr, need_ptr, S, R, NEED_N,
-                     R_PAD: tl.constexpr, BLOCK: tl.constexpr):
+def _resident_kernel(last_ptr, owner_ptr, resident_ptr, need_ptr, S, R, NEED_N, layer_slots,
+                     layer_scratch, R_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """resident[r] += slots of this block owned by row r (a block histogram, then one atomic
     per row: a few rows own most slots, so per-slot atomics would serialise); nothing when
-    sum(need_ptr[0:NEED_N]) == 0."""
+    sum(need_ptr[0:NEED_N]) == 0. Axis 1: the layer (strides layer_slots, layer_scratch)."""
+    j = tl.program_id(1).to(tl.int64)
+    last_ptr += j * layer_slots
+    owner_ptr += j * layer_slots
+    resident_ptr += j * layer_scratch
+    need_ptr += j * NEED_N
     if _sum_first(need_ptr, NEED_N, 1024) > 0:
         s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = s < S
@@ -135,12 +148,22 @@ def _resident_kernel(last_ptr, owner_ptr, resident_ptr, need_ptr, S, R, NEED_N,
 
 @triton.jit(do_not_specialize=["NEED_N"])
 def _victim_key_kernel(last_ptr, owner_ptr, quota_ptr, resident_ptr, step_ptr, key_ptr,
-                       counts_ptr, hist_ptr, need_ptr, S, NEED_N, NUM_BUCKETS: tl.constexpr,
-                       KEYS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+                       counts_ptr, hist_ptr, need_ptr, S, NEED_N, layer_slots, layer_scratch,
+                       NUM_BUCKETS: tl.constexpr, KEYS_PAD: tl.constexpr,
+                       BLOCK: tl.constexpr):
     """key (higher = evicted earlier): 0 used this step | 1..B in quota | B+1..2B over
     quota | 2B+1 free (kvcache/eviction.py's layout), its count, and this program's
     histogram column hist[:, pid] (for place's offsets; key-major, see category_lru_order).
-    Nothing when sum(need_ptr[0:NEED_N]) == 0 (counts stay zero: place reads nothing else)."""
+    Nothing when sum(need_ptr[0:NEED_N]) == 0 (counts stay zero: place reads nothing else).
+    Axis 1: the layer (key [L, S], hist [L, KEYS_PAD, programs], the rest by stride)."""
+    j = tl.program_id(1).to(tl.int64)
+    last_ptr += j * layer_slots
+    owner_ptr += j * layer_slots
+    resident_ptr += j * layer_scratch
+    counts_ptr += j * layer_scratch
+    key_ptr += j * S
+    hist_ptr += j * KEYS_PAD * tl.num_programs(0)
+    need_ptr += j * NEED_N
     if _sum_first(need_ptr, NEED_N, 1024) > 0:
         s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = s < S
@@ -164,13 +187,20 @@ def _victim_key_kernel(last_ptr, owner_ptr, quota_ptr, resident_ptr, step_ptr, k
 # sizes that change from step to step are not specialised on (== 1, % 16): a new size
 # class would compile a variant mid-serving, which the start-up warm-up cannot foresee
 @triton.jit(do_not_specialize=["NEED_N"])
-def _place_kernel(key_ptr, counts_ptr, hist_ptr, need_ptr, out_ptr, S, NEED_N,
+def _place_kernel(key_ptr, counts_ptr, hist_ptr, need_ptr, out_ptr, S, NEED_N, layer_scratch,
                   NUM_KEYS: tl.constexpr, KEYS_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """out[first positions] = slots, highest key first, as far as the `need` (= the sum of
     need_ptr[0:NEED_N]) victims reach: keys from the top while their first position is < need.
     The program's slots of key k go to above[k] + (slots of key k in earlier programs: the sum
     of victim_key's histogram row k over programs < pid) + their rank among them. No
-    atomics: positions are exact and deterministic. Same BLOCK as victim_key."""
+    atomics: positions are exact and deterministic. Same BLOCK as victim_key. Axis 1: the
+    layer (out [L, S])."""
+    j = tl.program_id(1).to(tl.int64)
+    key_ptr += j * S
+    counts_ptr += j * layer_scratch
+    hist_ptr += j * KEYS_PAD * tl.num_programs(0)
+    need_ptr += j * NEED_N
+    out_ptr += j * S
     pid = tl.program_id(0)
     s = pid * BLOCK + tl.arange(0, BLOCK)
     ok = s < S
@@ -194,13 +224,29 @@ def _place_kernel(key_ptr, counts_ptr, hist_ptr, need_ptr, out_ptr, S, NEED_N,
 
 
 # as _probe_kernel: neither step-varying sizes nor per-step inputs' alignment specialised
-@triton.jit(do_not_specialize=["N", "K", "HK", "NUM_ZERO"],
+@triton.jit(do_not_specialize=["N", "K", "HK", "NUM_ZERO", "layer_out"],
             do_not_specialize_on_alignment=["pages_ptr", "nsel_ptr", "rows_ptr", "fresh_ptr",
                                             "step_ptr", "zero_ptr"])
 def _assign_kernel(pages_ptr, nsel_ptr, miss_ptr, mcount_ptr, order_ptr, rows_ptr, fresh_ptr,
                    page_of_ptr, last_ptr, owner_ptr, step_ptr, slots_ptr, load_src_ptr,
                    load_dst_ptr, nloads_ptr, table_ptr, fill_ptr, zero_ptr, N, K, HK, S, mask,
-                   NUM_ZERO, FRESH: tl.constexpr, BLOCK: tl.constexpr):
+                   NUM_ZERO, layer_table, layer_slots, layer_fill, layer_zero, layer_out,
+                   FRESH: tl.constexpr, BLOCK: tl.constexpr):
+    # axis 1: the layer (outputs [L, N] / [L, S] / [L], state by its strides)
+    j = tl.program_id(1).to(tl.int64)
+    miss_ptr += j * N
+    mcount_ptr += j * tl.num_programs(0)
+    order_ptr += j * S
+    page_of_ptr += j * layer_slots
+    last_ptr += j * layer_slots
+    owner_ptr += j * layer_slots
+    slots_ptr += j * layer_out
+    load_src_ptr += j * N
+    load_dst_ptr += j * N
+    nloads_ptr += j
+    table_ptr += j * layer_table
+    fill_ptr += j * layer_fill
+    zero_ptr += j * layer_zero
     pid = tl.program_id(0)
     i = pid * BLOCK + tl.arange(0, BLOCK)
     m = i < N
@@ -249,30 +295,43 @@ def category_lru_order(last_access, owner_row, row_quota, step, num_buckets: int
     need: [P] int32 on the device or None (all S): only the first sum(need) entries of the
     order are written (the rest is undefined); P > 1 is fused_retrieve's per-program miss
     counts. scratch: [lru_scratch_size(R, num_buckets)] int32, zeroed, or None (allocated
-    and zeroed here); left dirty (fused_retrieve's assign zeroes it again)."""
-    S = last_access.shape[0]
+    and zeroed here); left dirty (fused_retrieve's assign zeroes it again).
+    Several layers at once: last_access/owner_row [L, S] (rows of the cache's [L, S + 1]
+    state, any row stride), need [L, P], scratch [L, size] (contiguous rows) -> [L, S], each
+    layer's order on its own (one set of three launches for all of them)."""
+    one = last_access.dim() == 1
+    if one:
+        last_access, owner_row = last_access.unsqueeze(0), owner_row.unsqueeze(0)
+        need = None if need is None else need.unsqueeze(0)
+        scratch = None if scratch is None else scratch.unsqueeze(0)
+    L, S = last_access.shape
+    assert owner_row.stride() == last_access.stride() and last_access.stride(1) == 1
     dev = last_access.device
-    grid = (triton.cdiv(S, BLOCK),)
+    grid = (triton.cdiv(S, BLOCK), L)
     R = row_quota.shape[0]
     nk = 2 * num_buckets + 2
-    if scratch is None:  # one zeroed buffer: per-row residents, per-key counts
-        scratch = torch.zeros(lru_scratch_size(R, num_buckets), dtype=torch.int32, device=dev)
-    resident, counts = scratch[:R], scratch[R:R + nk]
+    if scratch is None:  # one zeroed buffer per layer: per-row residents, per-key counts
+        scratch = torch.zeros((L, lru_scratch_size(R, num_buckets)), dtype=torch.int32,
+                              device=dev)
+    assert scratch.stride(1) == 1
+    resident, counts = scratch[:, :R], scratch[:, R:R + nk]
     if need is None:
-        need = torch.full((1,), S, dtype=torch.int32, device=dev)
-    _resident_kernel[grid](last_access, owner_row, resident, need, S, R, need.shape[0],
+        need = torch.full((L, 1), S, dtype=torch.int32, device=dev)
+    assert need.is_contiguous()
+    ls, lz = last_access.stride(0), scratch.stride(0)
+    _resident_kernel[grid](last_access, owner_row, resident, need, S, R, need.shape[1], ls, lz,
                            R_PAD=triton.next_power_of_2(R), BLOCK=BLOCK)
-    key = torch.empty(S, dtype=torch.int32, device=dev)
+    key = torch.empty((L, S), dtype=torch.int32, device=dev)
     pad = triton.next_power_of_2(nk)
-    # key-major [keys, programs]: place sums a key's row over its earlier programs
-    hist = torch.empty((pad, grid[0]), dtype=torch.int32, device=dev)
+    # key-major [L, keys, programs]: place sums a key's row over its earlier programs
+    hist = torch.empty((L, pad, grid[0]), dtype=torch.int32, device=dev)
     _victim_key_kernel[grid](last_access, owner_row, row_quota, resident, step, key, counts,
-                             hist, need, S, need.shape[0], NUM_BUCKETS=num_buckets,
+                             hist, need, S, need.shape[1], ls, lz, NUM_BUCKETS=num_buckets,
                              KEYS_PAD=pad, BLOCK=BLOCK)
-    out = torch.empty(S, dtype=torch.int64, device=dev)
-    _place_kernel[grid](key, counts, hist, need, out, S, need.shape[0], NUM_KEYS=nk,
+    out = torch.empty((L, S), dtype=torch.int64, device=dev)
+    _place_kernel[grid](key, counts, hist, need, out, S, need.shape[1], lz, NUM_KEYS=nk,
                         KEYS_PAD=pad, BLOCK=BLOCK)
-    return out
+    return out[0] if one else out
 
 
 def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota, step,
@@ -304,10 +363,25 @@ def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota,
     rebuild: False leaves the residency index's rebuild-if-full to the caller (the decode
     step does every layer's at once after its layers; safe because one call inserts at most
     S entries into a table of >= 4 S kept at most half full between rebuilds).
+
+    Several layers at once (the same selection mapped in each: a prefill's pages): table
+    [L, H], page_of / last / owner [L, S + 1], table_fill [L, 2], lru_scratch [L, size] (rows
+    of the cache's per-layer state, contiguous within a row) -> slots [L, B, Hkv, K],
+    load_src / load_dst [L, N], num_loads [L, 1]: each layer's mapping on its own, as L calls
+    would make them, in one set of launches. Category LRU only, no stamps.
     """
     B, Hkv, K = pages.shape
     N = B * Hkv * K
-    S = page_of.shape[0] - 1
+    one = page_of.dim() == 1
+    if one:
+        table, page_of, last, owner = (t.unsqueeze(0) for t in (table, page_of, last, owner))
+        table_fill = table_fill.unsqueeze(0)
+        lru_scratch = None if lru_scratch is None else lru_scratch.unsqueeze(0)
+    else:
+        assert victim_order is None and stamps is None, "several layers: category LRU only"
+    L, S = page_of.shape[0], page_of.shape[1] - 1
+    assert last.stride() == page_of.stride() == owner.stride() and page_of.stride(1) == 1
+    assert table.stride(1) == 1 and table_fill.stride(1) == 1
     dev = pages.device
     # no-ops on the decode path (its tensors are contiguous and int32 already)
     pages = pages.contiguous()
@@ -320,30 +394,39 @@ def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota,
         mode, fresh = 2, fresh_last.contiguous()
     has_stamps = stamps is not None
     st, sstep = stamps if has_stamps else (num_sel, num_sel)
-    grid = (triton.cdiv(N, ENTRY_BLOCK),)
-    slots = torch.empty(N, dtype=torch.int32, device=dev)
-    miss = torch.empty(N, dtype=torch.int32, device=dev)
-    mcount = torch.empty(grid[0], dtype=torch.int32, device=dev)  # misses per probe program
-    mask = table.shape[0] - 1
+    grid = (triton.cdiv(N, ENTRY_BLOCK), L)
+    # each layer's slots start 16-byte aligned, as one layer's own allocation would: the
+    # kernels that read them (slot store, paged prefill) keep the specialisation the warm-up
+    # compiled
+    slots = torch.empty((L, -(-N // 4) * 4), dtype=torch.int32, device=dev)
+    miss = torch.empty((L, N), dtype=torch.int32, device=dev)
+    mcount = torch.empty((L, grid[0]), dtype=torch.int32, device=dev)  # misses per program
+    mask = table.shape[1] - 1
     touch = step if touch is None else touch  # written into last_access by probe and assign
+    lt, ls = table.stride(0), page_of.stride(0)
     _probe_kernel[grid](pages, num_sel, fresh, table, page_of, last, touch, slots, miss,
                         mcount, counters, st, sstep, N, K, Hkv * K, mask, scratch_page,
-                        scratch_slot, FRESH=mode, HAS_STAMPS=has_stamps, BLOCK=ENTRY_BLOCK)
+                        scratch_slot, lt, ls, slots.stride(0), FRESH=mode,
+                        HAS_STAMPS=has_stamps, BLOCK=ENTRY_BLOCK)
     zero = lru_scratch
     if victim_order is None:
-        order = category_lru_order(last[:S], owner[:S], row_quota, step, num_buckets,
+        order = category_lru_order(last[:, :S], owner[:, :S], row_quota, step, num_buckets,
                                    need=mcount, scratch=lru_scratch)
     else:
-        order = victim_order(last[:S], owner[:S], row_quota, step)
+        order = victim_order(last[0, :S], owner[0, :S], row_quota, step)[None]
         zero = None  # not used: stays zeroed
-    load_src = torch.empty(N, dtype=torch.int64, device=dev)
-    load_dst = torch.empty(N, dtype=torch.int64, device=dev)
-    num_loads = torch.empty(1, dtype=torch.int32, device=dev)
+    load_src = torch.empty((L, N), dtype=torch.int64, device=dev)
+    load_dst = torch.empty((L, N), dtype=torch.int64, device=dev)
+    num_loads = torch.empty((L, 1), dtype=torch.int32, device=dev)
     _assign_kernel[grid](pages, num_sel, miss, mcount, order, rows.contiguous(), fresh,
                          page_of, last, owner, touch, slots, load_src, load_dst, num_loads,
                          table, table_fill, miss if zero is None else zero, N, K, Hkv * K, S,
-                         mask, 0 if zero is None else zero.shape[0], FRESH=mode,
-                         BLOCK=ENTRY_BLOCK)
+                         mask, 0 if zero is None else zero.shape[1], lt, ls,
+                         table_fill.stride(0), 0 if zero is None else zero.stride(0),
+                         slots.stride(0), FRESH=mode, BLOCK=ENTRY_BLOCK)
     if rebuild:  # else the caller runs rebuild_if_full before the table can fill up
         rebuild_if_full(table, page_of, table_fill, backend="triton")  # also CPU tensors (tests)
-    return slots.view(B, Hkv, K), load_src, load_dst, num_loads
+    slots = slots[:, :N].unflatten(1, (B, Hkv, K))
+    if one:
+        return slots[0], load_src[0], load_dst[0], num_loads[0]
+    return slots, load_src, load_dst, num_loads

@@ -152,6 +152,10 @@ class ForwardContext:
         self.fill_tokens = torch.full_like(self.fill_ids, ps) if ids else None
         self.tok_entry = tok_entry
 
+    def begin_layers(self, l0: int, l1: int) -> None:
+        """Called before layers [l0, l1) run with this context (the two-tier cache maps a
+        prefill's pages in all of them at once); nothing to do with every page in HBM."""
+
     def finish_layers(self, l0: int, l1: int) -> None:
         """Called after layers [l0, l1) ran with this context (the two-tier cache writes its
         staged decode rows through to DRAM here); nothing to do with every page in HBM."""

@@ -246,6 +246,7 @@ class ModelRunner(SamplingStep):
                 continue
             if len(active) == len(chunks):
                 ctx = self._context(chunks, offsets, token_rows, positions)
+                ctx.begin_layers(a, b)
                 h = self._run_layers(h, positions, ctx, a, b)
                 ctx.finish_layers(a, b)
                 continue
@@ -256,6 +257,7 @@ class ModelRunner(SamplingStep):
             sub_offsets = np.cumsum([0] + [c.num_tokens for c in sub])[:-1].tolist()
             ctx = self._context(sub, sub_offsets, token_rows[idx], positions[idx],
                                 np_idx=idx_np)
+            ctx.begin_layers(a, b)
             h[idx] = self._run_layers(h[idx], positions[idx], ctx, a, b)
             ctx.finish_layers(a, b)
 

@@ -43,6 +43,15 @@ class OffloadForwardContext(ForwardContext):
         # one prefill alone maps its pages with one retrieve per layer: its residency index
         # rebuild-if-full can wait for finish_layers, as decode's does (fused_retrieve)
         self._defer_prefill_rebuild = not self.num_decode and len(self.prefills) == 1
+        # [l0, l1) of begin_layers: a prefill maps its pages in all of them at once
+        # (TwoTierCache.map_prefill_layers) where no decode row runs in this context — with
+        # decode rows here, each layer's decode retrieve must come before the prefill's
+        # mapping of that layer, as the per-layer path orders them
+        self._layers: tuple[int, int] | None = None
+
+    def begin_layers(self, l0: int, l1: int) -> None:
+        if not self.num_decode and self.cache.maps_layers_at_once():
+            self._layers = (l0, l1)
 
     def finish_layers(self, l0: int, l1: int) -> None:
         """After layers [l0, l1) ran with this context: the decode step's per-step work of
@@ -307,16 +316,33 @@ class OffloadForwardContext(ForwardContext):
         Returns the slots [Hkv, nb - first] as the retrieve gave them (int32 on the fused
         path; no conversion launch: torch indexes with int32 too)."""
         cache = self.cache
-        raw = cache.retrieve(layer, plan["sel"], plan["num"], plan["row"],
-                             fresh_from=plan["fresh_from"], prefill=True,
-                             defer_rebuild=self._defer_prefill_rebuild,
-                             mark_pending=True,  # the slots marked pending their save
-                             loads=plan["loads"])[0]
+        if self._layers is not None:
+            raw = self._mapped_slots(layer, plan)
+        else:
+            raw = cache.retrieve(layer, plan["sel"], plan["num"], plan["row"],
+                                 fresh_from=plan["fresh_from"], prefill=True,
+                                 defer_rebuild=self._defer_prefill_rebuild,
+                                 mark_pending=True,  # the slots marked pending their save
+                                 loads=plan["loads"])[0]
         rows = plan["rows"]
         # token t's slot is raw[h, tok_entry[t]]: gathered in the store kernel
         store_token_rows(raw, plan["tok_off"], k[rows], v[rows], cache.dev_k[layer],
                          cache.dev_v[layer], tok_entry=plan["tok_entry"])
         return raw
+
+    def _mapped_slots(self, layer: int, plan: dict) -> torch.Tensor:
+        """This layer's slots of the chunk's pages [Hkv, nb - first] int32, mapped for every
+        layer of begin_layers' interval at the first of them (five launches per step instead
+        of per layer), its misses loaded now (a prefix page evicted since an earlier chunk)."""
+        l0, l1 = self._layers
+        if "layer_slots" not in plan:
+            plan["layer_slots"] = self.cache.map_prefill_layers(
+                l0, l1, plan["sel"], plan["num"], plan["row"], plan["fresh_from"],
+                defer_rebuild=self._defer_prefill_rebuild)
+        slots, src, dst, num = plan["layer_slots"]
+        j = layer - l0
+        self.cache.load_layer(layer, src[j] if plan["loads"] else None, dst[j], num[j])
+        return slots[j, 0]
 
     def _index_prefill(self, p: PrefillSeq, q: torch.Tensor, ks: torch.Tensor,
                        vs: torch.Tensor, plan: dict, summaries: LayerSummaries) -> None:

@@ -61,6 +61,43 @@ class CacheRetrieve:
             self.mark_saved(layer, slots.long())
         return slots
 
+    def maps_layers_at_once(self) -> bool:
+        """Whether map_prefill_layers can run (the fused kernels with their fused category
+        LRU); else a prefill maps its pages one layer at a time through retrieve."""
+        return self.fused and self.policy == "category-lru"
+
+    def map_prefill_layers(self, l0: int, l1: int, pages: torch.Tensor, num_sel: torch.Tensor,
+                           rows: torch.Tensor, fresh_from: torch.Tensor,
+                           defer_rebuild: bool) -> tuple[torch.Tensor, ...]:
+        """A prefill chunk's pages mapped to slots in every layer of [l0, l1) at once: what
+        `retrieve(layer, pages, num_sel, rows, fresh_from=..., prefill=True, mark_pending=True)`
+        does per layer, in one set of fused launches for all of them (the pages are the same in
+        every layer; each layer's slots, victims and index are its own). Only where
+        maps_layers_at_once(). Nothing is loaded here: load_layer(layer, ...) loads one layer's
+        misses before that layer reads its slots. The caller runs no decode retrieve of these
+        layers in between (a decode step's rows are mapped before, by their own graph or
+        context), so the victims are those the per-layer calls would choose.
+        -> slots [L', B, Hkv, K] int32, load_src / load_dst [L', N] int64, num_loads [L', 1]."""
+        from sparseserve.kernels.retrieve import fused_retrieve
+        touch = self._pending_marks[self._host_step % 2]
+        self._marked_steps.add(self._host_step)
+        return fused_retrieve(
+            pages, num_sel, rows, self.res_table[l0:l1], self.page_of[l0:l1],
+            self.last_access[l0:l1], self.owner[l0:l1], self.row_quota, self.step,
+            self.prefill_hit_miss, self.res_fill[l0:l1], self.scratch_page, self.scratch_slot,
+            NUM_BUCKETS, fresh_from, lru_scratch=self._lru_scratch[l0:l1],
+            rebuild=not defer_rebuild, touch=touch)
+
+    def load_layer(self, layer: int, load_src: torch.Tensor | None, load_dst: torch.Tensor,
+                   num_loads: torch.Tensor) -> None:
+        """Load one layer's misses of map_prefill_layers (its row of load_src / load_dst /
+        num_loads); load_src None: nothing can miss (every page fresh), no loader launch."""
+        if load_src is None:  # its device counter made as a load would (see _retrieve_fused)
+            self.loader.counter(self.dev_k[layer].device)
+            return
+        self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
+                         self.dev_v[layer], load_src, load_dst, num_live=num_loads)
+
     def _retrieve_fused(self, layer: int, pages: torch.Tensor, num_sel: torch.Tensor,
                         rows: torch.Tensor, fresh_from: torch.Tensor | None,
                         counter: torch.Tensor, fresh_last: torch.Tensor | None = None,

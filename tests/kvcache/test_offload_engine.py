@@ -197,3 +197,71 @@ def test_forced_offload_paged_prefill_kernel_equals_resident(model_dir, algo, mo
     assert paged_prefill_calls, "no chunk went through the paged prefill kernel"
     assert_same_outputs(outs, resident)
     llm.engine.check_invariants()
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+def test_prefill_maps_every_layer_at_once_equals_resident(model_dir, monkeypatch, segmented):
+    """The GPU's code path on CPU tensors (fused retrieve, interpreted): a prefill chunk in a
+    context without decode rows maps its pages in all of the interval's layers with one
+    map_prefill_layers call (not a retrieve per layer), chunked and layer-segmented, beside
+    hybrid steps that keep the per-layer mapping — and the tokens and logprobs equal the
+    all-resident run's; nothing leaks."""
+    from sparseserve.worker.offload_cache import TwoTierCache
+
+    intervals, per_layer = [], []
+    real_map, real_retrieve = TwoTierCache.map_prefill_layers, TwoTierCache.retrieve
+    monkeypatch.setattr(TwoTierCache, "map_prefill_layers",
+                        lambda self, l0, l1, *a, **kw: (intervals.append((l0, l1)),
+                                                        real_map(self, l0, l1, *a, **kw))[1])
+    monkeypatch.setattr(TwoTierCache, "retrieve",
+                        lambda self, layer, *a, prefill=False, **kw: (
+                            per_layer.append(layer) if prefill else None,
+                            real_retrieve(self, layer, *a, prefill=prefill, **kw))[1])
+    ref = LLM(model_dir, **SPARSE)
+    llm = offload_llm(model_dir, 32, max_num_batched_tokens=48, d2h_method="gpu-direct",
+                      layer_segmented_prefill=segmented)
+    llm.engine.runner.offload.fused = True
+    eng = llm.engine
+    for seed in (0, 1):
+        resident = ref.generate(prompts(seed), PARAMS, use_tqdm=False)
+        outs = {}
+        for i, p in enumerate(prompts(seed)):
+            eng.add_request(str(i), p, PARAMS)
+            if i == 2:  # two prompts decode while the rest arrive: the layers' slots differ
+                for _ in range(6):
+                    outs.update((o.request_id, o) for o in eng.step() if o.finished)
+        while eng.has_unfinished_requests():
+            outs.update((o.request_id, o) for o in eng.step() if o.finished)
+            assert_resident_bytes(eng)
+        assert_same_outputs([outs[str(i)] for i in range(len(LENGTHS))], resident)
+    assert intervals and all(l1 > l0 for l0, l1 in intervals)
+    if not segmented:  # whole-model chunks: every interval is all the layers
+        assert set(intervals) == {(0, 3)}
+    # prefill chunks beside decode rows (one CPU context: no decode graph) keep the
+    # per-layer mapping, after each layer's decode retrieve: both paths ran
+    assert per_layer
+    llm.engine.check_invariants()
+
+
+def assert_resident_bytes(eng):
+    """Every page of a decoding request that is resident in a layer's device slots holds
+    that layer's bytes of the page in DRAM, over the tokens written so far (a slot mapped in
+    one layer but filled in another would differ)."""
+    import numpy as np
+
+    off, pages, ps = eng.runner.offload, eng.runner.pages, eng.runner.page_size
+    for req in eng.scheduler.running:
+        row = eng.scheduler._rows.get(req.request_id)
+        n = req.num_computed_tokens
+        if row is None or not req.output_token_ids or n == 0:
+            continue
+        nb = -(-n // ps)
+        host = pages.host_pages(np.full(nb, row), np.arange(nb))  # [nb, Hkv]
+        for layer in range(off.num_layers):
+            slots = off.slot_of(layer, torch.as_tensor(host.reshape(-1))).view(host.shape)
+            for b, h in zip(*np.nonzero(slots.numpy() >= 0)):
+                m = ps if b < nb - 1 else n - (nb - 1) * ps
+                s, hp = int(slots[b, h]), int(host[b, h])
+                assert torch.equal(off.dev_k[layer][s][:m], off.host_k[layer][hp][:m]), (
+                    f"layer {layer}: slot {s} does not hold page {hp}'s keys")
+                assert torch.equal(off.dev_v[layer][s][:m], off.host_v[layer][hp][:m])
