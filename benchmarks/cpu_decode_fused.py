@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     res = {"mode": args.mode, "threads": 1, "fused_built": fused_kernel.available(),
-           "fused_avx512": fused_kernel.vectorised()}
+           "fused_isa": fused_kernel.vector_isa()}
     if args.mode == "layer":
         res.update(batch=B, kv_heads=HKV, groups=G, head_dim=D, page_size=PS, reps=args.reps,
                    by_length={})

@@ -74,5 +74,14 @@ class CpuExtension:
         return self.enabled and self.get() is not None
 
     def vectorised(self) -> bool:
-        """True when the built kernel has its AVX-512 path (False: only the scalar path)."""
-        return self.get() is not None and bool(self.module.has_avx512())
+        """True when the built kernel has a vector path here (AVX-512, or AVX2 + FMA where the
+        kernel has one); False: only the scalar path."""
+        return bool(self.vector_isa())
+
+    def vector_isa(self) -> str:
+        """The built kernel's vector path: "avx512", "avx2" or "" (scalar only / not built)."""
+        if self.get() is None:
+            return ""
+        if hasattr(self.module, "vector_isa"):
+            return str(self.module.vector_isa())
+        return "avx512" if self.module.has_avx512() else ""

@@ -194,3 +194,17 @@ def test_fused_rejects_bad_tables(generic):
     for t, n, lst in bad:
         with pytest.raises(RuntimeError):
             fused_kernel.paged_decode_fused(q, kc, vc, t, n, lst, 0.125, generic=generic)
+
+
+def test_vector_path_matches_the_cpu():
+    """The kernel is built with the widest vector path this CPU has (-march=native): AVX-512
+    where the CPU has it, else AVX2 + FMA — a build that fell back to the scalar path (as
+    every AVX2-only CPU did before the twenty-second session) fails."""
+    _need("fused")
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(line for line in f if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags here")
+    want = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else ""
+    assert fused_kernel.vector_isa() == want
