@@ -82,13 +82,13 @@ def _probe_kernel(pages_ptr, nsel_ptr, fresh_ptr, table_ptr, page_of_ptr, last_p
                   mask, scratch_page, scratch_slot, layer_table, layer_slots, layer_out,
                   FRESH: tl.constexpr, HAS_STAMPS: tl.constexpr, BLOCK: tl.constexpr):
     # axis 1: the layer (one per call, or every layer of a prefill's mapping: the same pages)
-    j = tl.program_id(1).to(tl.int64)
-    table_ptr += j * layer_table
-    page_of_ptr += j * layer_slots
-    last_ptr += j * layer_slots
-    slots_ptr += j * layer_out
-    miss_ptr += j * N
-    mcount_ptr += j * tl.num_programs(0)
+    lyr = tl.program_id(1).to(tl.int64)
+    table_ptr += lyr * layer_table
+    page_of_ptr += lyr * layer_slots
+    last_ptr += lyr * layer_slots
+    slots_ptr += lyr * layer_out
+    miss_ptr += lyr * N
+    mcount_ptr += lyr * tl.num_programs(0)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     n = tl.load(nsel_ptr + i // K, mask=m, other=0)
@@ -131,11 +131,11 @@ def _resident_kernel(last_ptr, owner_ptr, resident_ptr, need_ptr, S, R, NEED_N, 
     """resident[r] += slots of this block owned by row r (a block histogram, then one atomic
     per row: a few rows own most slots, so per-slot atomics would serialise); nothing when
     sum(need_ptr[0:NEED_N]) == 0. Axis 1: the layer (strides layer_slots, layer_scratch)."""
-    j = tl.program_id(1).to(tl.int64)
-    last_ptr += j * layer_slots
-    owner_ptr += j * layer_slots
-    resident_ptr += j * layer_scratch
-    need_ptr += j * NEED_N
+    lyr = tl.program_id(1).to(tl.int64)
+    last_ptr += lyr * layer_slots
+    owner_ptr += lyr * layer_slots
+    resident_ptr += lyr * layer_scratch
+    need_ptr += lyr * NEED_N
     if _sum_first(need_ptr, NEED_N, 1024) > 0:
         s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = s < S
@@ -156,14 +156,14 @@ def _victim_key_kernel(last_ptr, owner_ptr, quota_ptr, resident_ptr, step_ptr, k
     histogram column hist[:, pid] (for place's offsets; key-major, see category_lru_order).
     Nothing when sum(need_ptr[0:NEED_N]) == 0 (counts stay zero: place reads nothing else).
     Axis 1: the layer (key [L, S], hist [L, KEYS_PAD, programs], the rest by stride)."""
-    j = tl.program_id(1).to(tl.int64)
-    last_ptr += j * layer_slots
-    owner_ptr += j * layer_slots
-    resident_ptr += j * layer_scratch
-    counts_ptr += j * layer_scratch
-    key_ptr += j * S
-    hist_ptr += j * KEYS_PAD * tl.num_programs(0)
-    need_ptr += j * NEED_N
+    lyr = tl.program_id(1).to(tl.int64)
+    last_ptr += lyr * layer_slots
+    owner_ptr += lyr * layer_slots
+    resident_ptr += lyr * layer_scratch
+    counts_ptr += lyr * layer_scratch
+    key_ptr += lyr * S
+    hist_ptr += lyr * KEYS_PAD * tl.num_programs(0)
+    need_ptr += lyr * NEED_N
     if _sum_first(need_ptr, NEED_N, 1024) > 0:
         s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = s < S
@@ -195,12 +195,12 @@ def _place_kernel(key_ptr, counts_ptr, hist_ptr, need_ptr, out_ptr, S, NEED_N, l
     of victim_key's histogram row k over programs < pid) + their rank among them. No
     atomics: positions are exact and deterministic. Same BLOCK as victim_key. Axis 1: the
     layer (out [L, S])."""
-    j = tl.program_id(1).to(tl.int64)
-    key_ptr += j * S
-    counts_ptr += j * layer_scratch
-    hist_ptr += j * KEYS_PAD * tl.num_programs(0)
-    need_ptr += j * NEED_N
-    out_ptr += j * S
+    lyr = tl.program_id(1).to(tl.int64)
+    key_ptr += lyr * S
+    counts_ptr += lyr * layer_scratch
+    hist_ptr += lyr * KEYS_PAD * tl.num_programs(0)
+    need_ptr += lyr * NEED_N
+    out_ptr += lyr * S
     pid = tl.program_id(0)
     s = pid * BLOCK + tl.arange(0, BLOCK)
     ok = s < S
@@ -232,21 +232,22 @@ def _assign_kernel(pages_ptr, nsel_ptr, miss_ptr, mcount_ptr, order_ptr, rows_pt
                    load_dst_ptr, nloads_ptr, table_ptr, fill_ptr, zero_ptr, N, K, HK, S, mask,
                    NUM_ZERO, layer_table, layer_slots, layer_fill, layer_zero, layer_out,
                    FRESH: tl.constexpr, BLOCK: tl.constexpr):
-    # axis 1: the layer (outputs [L, N] / [L, S] / [L], state by its strides)
-    j = tl.program_id(1).to(tl.int64)
-    miss_ptr += j * N
-    mcount_ptr += j * tl.num_programs(0)
-    order_ptr += j * S
-    page_of_ptr += j * layer_slots
-    last_ptr += j * layer_slots
-    owner_ptr += j * layer_slots
-    slots_ptr += j * layer_out
-    load_src_ptr += j * N
-    load_dst_ptr += j * N
-    nloads_ptr += j
-    table_ptr += j * layer_table
-    fill_ptr += j * layer_fill
-    zero_ptr += j * layer_zero
+    # axis 1: the layer (slots and load lists [L, layer_out], misses [L, N], order [L, S],
+    # load counts [L, 4]; state by its strides)
+    lyr = tl.program_id(1).to(tl.int64)
+    miss_ptr += lyr * N
+    mcount_ptr += lyr * tl.num_programs(0)
+    order_ptr += lyr * S
+    page_of_ptr += lyr * layer_slots
+    last_ptr += lyr * layer_slots
+    owner_ptr += lyr * layer_slots
+    slots_ptr += lyr * layer_out
+    load_src_ptr += lyr * layer_out
+    load_dst_ptr += lyr * layer_out
+    nloads_ptr += lyr * 4
+    table_ptr += lyr * layer_table
+    fill_ptr += lyr * layer_fill
+    zero_ptr += lyr * layer_zero
     pid = tl.program_id(0)
     i = pid * BLOCK + tl.arange(0, BLOCK)
     m = i < N
@@ -395,9 +396,9 @@ def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota,
     has_stamps = stamps is not None
     st, sstep = stamps if has_stamps else (num_sel, num_sel)
     grid = (triton.cdiv(N, ENTRY_BLOCK), L)
-    # each layer's slots start 16-byte aligned, as one layer's own allocation would: the
-    # kernels that read them (slot store, paged prefill) keep the specialisation the warm-up
-    # compiled
+    # each layer's row of slots, load lists and load count starts 16-byte aligned, as one
+    # layer's own allocation would: the kernels that read them (slot store, paged prefill,
+    # FlashH2D) keep the specialisation the warm-up compiled
     slots = torch.empty((L, -(-N // 4) * 4), dtype=torch.int32, device=dev)
     miss = torch.empty((L, N), dtype=torch.int32, device=dev)
     mcount = torch.empty((L, grid[0]), dtype=torch.int32, device=dev)  # misses per program
@@ -415,9 +416,9 @@ def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota,
     else:
         order = victim_order(last[0, :S], owner[0, :S], row_quota, step)[None]
         zero = None  # not used: stays zeroed
-    load_src = torch.empty((L, N), dtype=torch.int64, device=dev)
-    load_dst = torch.empty((L, N), dtype=torch.int64, device=dev)
-    num_loads = torch.empty((L, 1), dtype=torch.int32, device=dev)
+    load_src = torch.empty((L, slots.shape[1]), dtype=torch.int64, device=dev)
+    load_dst = torch.empty((L, slots.shape[1]), dtype=torch.int64, device=dev)
+    num_loads = torch.empty((L, 4), dtype=torch.int32, device=dev)
     _assign_kernel[grid](pages, num_sel, miss, mcount, order, rows.contiguous(), fresh,
                          page_of, last, owner, touch, slots, load_src, load_dst, num_loads,
                          table, table_fill, miss if zero is None else zero, N, K, Hkv * K, S,
@@ -427,6 +428,7 @@ def fused_retrieve(pages, num_sel, rows, table, page_of, last, owner, row_quota,
     if rebuild:  # else the caller runs rebuild_if_full before the table can fill up
         rebuild_if_full(table, page_of, table_fill, backend="triton")  # also CPU tensors (tests)
     slots = slots[:, :N].unflatten(1, (B, Hkv, K))
+    load_src, load_dst, num_loads = load_src[:, :N], load_dst[:, :N], num_loads[:, :1]
     if one:
         return slots[0], load_src[0], load_dst[0], num_loads[0]
     return slots, load_src, load_dst, num_loads

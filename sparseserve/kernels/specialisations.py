@@ -126,3 +126,82 @@ def describe_difference(new: tuple, seen: set[tuple]) -> str:
     best = min(seen, key=lambda k: sum(a != b for a, b in zip(k, new)))
     return ", ".join(f"{a[0]}: {' '.join(map(str, a[1:]))} (was {' '.join(map(str, b[1:]))})"
                      for a, b in zip(new, best) if a != b)
+
+
+def compile_spec(interpreted, args: tuple, kwargs: dict, capability: int = 90) -> dict:
+    """What Triton would compile for one interpreted launch on a GPU, as plain data (JSON):
+    the kernel's module and name, its signature, constexpr values, specialisation attributes
+    and launch options. compile_for_cuda compiles it in a process where Triton is not in
+    interpreter mode (there the kernel and the helpers it calls are JIT functions)."""
+    from triton.runtime.jit import native_specialize_impl
+
+    fn = interpreted.fn
+    backend = _backend(capability)
+    sig = inspect.signature(fn)
+    params = list(sig.parameters)
+    bound = sig.bind(*args, **{k: v for k, v in kwargs.items() if k in sig.parameters})
+    bound.apply_defaults()
+    no_spec = _names(interpreted.kwargs.get("do_not_specialize"), params)
+    no_align = _names(interpreted.kwargs.get("do_not_specialize_on_alignment"), params)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (name, p) in enumerate(sig.parameters.items()):
+        value = bound.arguments[name]
+        if _is_constexpr(p):
+            signature[name], constexprs[i] = "constexpr", value
+            continue
+        kind, attr = native_specialize_impl(backend, value, False, name not in no_spec,
+                                            name not in no_align)
+        signature[name] = kind
+        if kind == "constexpr":  # an int specialised to its value (== 1)
+            constexprs[i] = value
+        elif isinstance(attr, str) and attr:
+            attrs[i] = attr
+    return {"module": fn.__module__, "name": fn.__name__, "signature": signature,
+            "constexprs": {str(i): v for i, v in constexprs.items()},
+            "attrs": {str(i): a for i, a in attrs.items()},
+            "options": {k: v for k, v in kwargs.items() if k not in sig.parameters}}
+
+
+def compile_for_cuda(spec: dict, capability: int = 90):
+    """Compile a compile_spec for a CUDA target on any machine, no GPU needed (Triton's front
+    end, its GPU passes and ptxas): catches what the interpreter, which runs kernels as
+    Python, lets through — a loop-carried variable whose type changes, a block shape that is
+    not a power of two, an op the GPU backend lacks. Needs Triton out of interpreter mode.
+    -> Triton's CompiledKernel."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = getattr(importlib.import_module(spec["module"]), spec["name"])
+    backend = _backend(capability)
+    constexprs = {(int(i),): v for i, v in spec["constexprs"].items()}
+    attrs = {(int(i),): backend.parse_attr(a) for i, a in spec["attrs"].items()}
+    src = ASTSource(kernel, spec["signature"], constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options=spec["options"])
+
+
+class LaunchRecorder(SpecialisationLog):
+    """A SpecialisationLog that also keeps the compile_spec of each launch with a new key."""
+
+    def __init__(self, capability: int = 90, execute: bool = True) -> None:
+        super().__init__(capability, execute)
+        self.specs: list[dict] = []
+
+    def _record(self, interpreted, args: tuple, kwargs: dict) -> None:
+        key = self.key(interpreted.fn, interpreted.kwargs, args, kwargs)
+        seen = self.keys.setdefault(interpreted.fn.__name__, set())
+        if key not in seen:
+            seen.add(key)
+            self.specs.append(compile_spec(interpreted, args, kwargs))
+
+
+if __name__ == "__main__":  # compile specs given as JSON on stdin (a process out of the
+    import json             # interpreter): prints each kernel's name and its PTX size
+    import sys
+
+    for spec in json.load(sys.stdin):
+        kernel = compile_for_cuda(spec)
+        print(spec["name"], len(kernel.asm["ptx"]), "cubin" in kernel.asm)

@@ -335,11 +335,12 @@ class OffloadForwardContext(ForwardContext):
         layer of begin_layers' interval at the first of them (five launches per step instead
         of per layer), its misses loaded now (a prefix page evicted since an earlier chunk)."""
         l0, l1 = self._layers
-        if "layer_slots" not in plan:
-            plan["layer_slots"] = self.cache.map_prefill_layers(
+        assert l0 <= layer < l1, f"layer {layer} outside the context's layers [{l0}, {l1})"
+        if plan.get("layer_slots", (None,))[0] != (l0, l1):  # first layer of the interval
+            plan["layer_slots"] = ((l0, l1),) + tuple(self.cache.map_prefill_layers(
                 l0, l1, plan["sel"], plan["num"], plan["row"], plan["fresh_from"],
-                defer_rebuild=self._defer_prefill_rebuild)
-        slots, src, dst, num = plan["layer_slots"]
+                defer_rebuild=self._defer_prefill_rebuild))
+        _, slots, src, dst, num = plan["layer_slots"]
         j = layer - l0
         self.cache.load_layer(layer, src[j] if plan["loads"] else None, dst[j], num[j])
         return slots[j, 0]

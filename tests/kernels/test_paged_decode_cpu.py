@@ -13,9 +13,9 @@ import torch
 from sparseserve.kernels import paged_decode_attention as dispatch_decode
 from sparseserve.kernels import ref
 from sparseserve.kernels import paged_decode_cpu_fused as fused_kernel
-from sparseserve.kernels.cpu_extension import require_built
 from sparseserve.kernels.paged_decode_cpu import (decode_planned, paged_decode_attention,
                                                   plan_decode)
+from tests.kernels.cpu_build import require_built
 from tests.kernels.test_paged_decode import GARBAGE, _dense_attention, _paged
 
 CPU = torch.device("cpu")
@@ -27,7 +27,8 @@ PATHS = ["torch", "fused", "generic"]
 
 def _need(path):
     if path != "torch":
-        require_built(fused_kernel.available(), "fused CPU paged decode kernel")
+        require_built(fused_kernel.available(), "fused CPU paged decode kernel",
+                      "SPARSESERVE_CPU_DECODE")
 
 
 def _attend(path, q, kc, vc, table, npg, last, scale):
@@ -46,10 +47,13 @@ def _check(out, expect):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("Hq,Hkv,D,ps", [(9, 3, 64, 16), (4, 4, 32, 16), (8, 2, 64, 32),
                                          (2, 1, 16, 8), (16, 2, 128, 16), (10, 1, 64, 16),
-                                         (3, 3, 64, 16)])
+                                         (3, 3, 64, 16), (4, 2, 64, 16), (10, 2, 64, 8),
+                                         (12, 2, 128, 16), (7, 1, 64, 32), (8, 1, 64, 16),
+                                         (6, 2, 128, 16), (2, 2, 128, 16)])
 def test_dense_odd_lengths(path, Hq, Hkv, D, ps):
-    """(9, 3, 64): SmolLM2; G 1..8 at D 64 / 128 take the kernel's register path, the others
-    (D 32 / 16, G 10) its scalar one."""
+    """(9, 3, 64): SmolLM2; G 1..8 at D 64 / 128 take the kernel's vector path (every column
+    block width of the AVX2 one: G <= 3, <= 6, 7-8), the others (D 32 / 16, G 10) its scalar
+    one."""
     _need(path)
     gen = torch.Generator().manual_seed(Hq * 100 + D + ps)
     lens = [1, 17, 54, 97, 200]

@@ -65,10 +65,11 @@ def prefill_selection(c: TwoTierCache, nb: int, seed: int):
             fresh.to(DEVICE))
 
 
-def state(c: TwoTierCache, l0: int, l1: int):
-    return [t[l0:l1].clone().cpu() for t in (c.page_of, c.last_access, c.owner, c.res_fill)] + [
-        c.prefill_hit_miss.clone().cpu()] + [torch.stack(c.dev_k[l0:l1]).cpu(),
-                                             torch.stack(c.dev_v[l0:l1]).cpu()]
+def state(c: TwoTierCache):
+    """Every layer's state (those outside the mapped range too: nothing may touch them)."""
+    return [t.clone().cpu() for t in (c.page_of, c.last_access, c.owner, c.res_fill,
+                                      c.res_table, c._lru_scratch, c.prefill_hit_miss)] + [
+        torch.stack(c.dev_k).cpu(), torch.stack(c.dev_v).cpu()]
 
 
 @pytest.mark.parametrize("layers,l0,l1,slots,nb", [(3, 0, 3, 48, 17), (4, 1, 3, 97, 9),
@@ -89,7 +90,7 @@ def test_layers_at_once_equal_per_layer_calls(layers, l0, l1, slots, nb, defer):
     assert got.shape == (l1 - l0, 1, HKV, nb)
     for j, w in enumerate(want):
         assert torch.equal(got[j].cpu(), w.cpu()), f"layer {l0 + j}"
-    for x, y in zip(state(a, l0, l1), state(b, l0, l1)):
+    for x, y in zip(state(a), state(b), strict=True):
         assert torch.equal(x, y)
     # every mapped page is found through the residency index of its layer
     for layer in range(l0, l1):

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from sparseserve.kernels import rms_norm_cpu_fused as K
-from sparseserve.kernels.cpu_extension import require_built
 from sparseserve.model import layers
 
+from tests.kernels.cpu_build import require_built
 from tests.kernels.test_fused_layer_ops import NORM_ULPS, ulps
 
 PATHS = ["fused", "generic"]
@@ -19,7 +19,7 @@ PATHS = ["fused", "generic"]
 
 @pytest.fixture(autouse=True)
 def _built():
-    require_built(K.available(), "fused CPU RMSNorm kernel")
+    require_built(K.available(), "fused CPU RMSNorm kernel", "SPARSESERVE_CPU_NORM")
 
 
 def _inputs(T, N, seed):
