@@ -242,16 +242,7 @@ void task_avx512(const Args& a, int64_t b, int64_t h, std::vector<float>& s) {
   }
 }
 
-template <int C>
-TaskFn pick_g(int64_t G) {
-  switch (G) {
-    case 1: return task_avx512<1, C>; case 2: return task_avx512<2, C>;
-    case 3: return task_avx512<3, C>; case 4: return task_avx512<4, C>;
-    case 5: return task_avx512<5, C>; case 6: return task_avx512<6, C>;
-    case 7: return task_avx512<7, C>; case 8: return task_avx512<8, C>;
-    default: return nullptr;
-  }
-}
+#define VECTOR_TASK task_avx512
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -389,13 +380,18 @@ void task_avx2(const Args& a, int64_t b, int64_t h, std::vector<float>& s) {
   }
 }
 
+#define VECTOR_TASK task_avx2
+#endif
+
+#if defined(VECTOR_TASK)
+// the vector task for G query heads per KV head (1..8), D = C vectors; nullptr: scalar path
 template <int C>
 TaskFn pick_g(int64_t G) {
   switch (G) {
-    case 1: return task_avx2<1, C>; case 2: return task_avx2<2, C>;
-    case 3: return task_avx2<3, C>; case 4: return task_avx2<4, C>;
-    case 5: return task_avx2<5, C>; case 6: return task_avx2<6, C>;
-    case 7: return task_avx2<7, C>; case 8: return task_avx2<8, C>;
+    case 1: return VECTOR_TASK<1, C>; case 2: return VECTOR_TASK<2, C>;
+    case 3: return VECTOR_TASK<3, C>; case 4: return VECTOR_TASK<4, C>;
+    case 5: return VECTOR_TASK<5, C>; case 6: return VECTOR_TASK<6, C>;
+    case 7: return VECTOR_TASK<7, C>; case 8: return VECTOR_TASK<8, C>;
     default: return nullptr;
   }
 }
@@ -468,7 +464,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 """
 
-_EXT = CpuExtension("sparseserve_paged_decode_cpu_v9", _SOURCE,
+_EXT = CpuExtension("sparseserve_paged_decode_cpu_v10", _SOURCE,
                    ["paged_decode", "has_avx512", "vector_isa"],
                    "SPARSESERVE_CPU_DECODE", "fused CPU paged decode kernel")
 
