@@ -41,6 +41,32 @@ def _is_constexpr(param: inspect.Parameter) -> bool:
         "constexpr")
 
 
+def _specialise(backend, fn, kwargs_of_jit: dict, args: tuple,
+                kwargs: dict) -> tuple[list[tuple[str, str, Any]], dict]:
+    """Each parameter of one launch of `fn` as Triton's binder specialises it, honouring the
+    kernel's do_not_specialize / do_not_specialize_on_alignment -> ([(name, kind, x)], launch
+    options). kind: "constexpr" (a constexpr parameter, or an int specialised to its value,
+    == 1) with its value as x, or the type ("*i32", "i64", ...) with the attribute as x ("D":
+    divisible by 16 / 16-byte aligned, "": neither)."""
+    from triton.runtime.jit import native_specialize_impl
+    sig = inspect.signature(fn)
+    params = list(sig.parameters)
+    bound = sig.bind(*args, **{k: v for k, v in kwargs.items() if k in sig.parameters})
+    bound.apply_defaults()
+    no_spec = _names(kwargs_of_jit.get("do_not_specialize"), params)
+    no_align = _names(kwargs_of_jit.get("do_not_specialize_on_alignment"), params)
+    entries = []
+    for name, p in sig.parameters.items():
+        value = bound.arguments[name]
+        if _is_constexpr(p):
+            entries.append((name, "constexpr", value))
+            continue
+        kind, attr = native_specialize_impl(backend, value, False, name not in no_spec,
+                                            name not in no_align)
+        entries.append((name, str(kind), value if kind == "constexpr" else attr))
+    return entries, {k: v for k, v in kwargs.items() if k not in sig.parameters}
+
+
 class SpecialisationLog:
     """Records {kernel name: set of specialisation keys} for Triton launches in the
     interpreter while installed. `install()` / `uninstall()` patch Triton's
@@ -58,25 +84,9 @@ class SpecialisationLog:
 
     def key(self, fn, kwargs_of_jit: dict, args: tuple, kwargs: dict) -> tuple:
         """The key for one launch of python function `fn` (the kernel before @triton.jit)."""
-        from triton.runtime.jit import native_specialize_impl
-        sig = inspect.signature(fn)
-        params = list(sig.parameters)
-        bound_kw = {k: v for k, v in kwargs.items() if k in sig.parameters}
-        options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in sig.parameters))
-        bound = sig.bind(*args, **bound_kw)
-        bound.apply_defaults()
-        no_spec = _names(kwargs_of_jit.get("do_not_specialize"), params)
-        no_align = _names(kwargs_of_jit.get("do_not_specialize_on_alignment"), params)
-        entries = []
-        for name, p in sig.parameters.items():
-            value = bound.arguments[name]
-            if _is_constexpr(p):
-                entries.append((name, "constexpr", repr(value)))
-            else:
-                spec = native_specialize_impl(self._backend, value, False, name not in no_spec,
-                                              name not in no_align)
-                entries.append((name,) + tuple(str(s) for s in spec))
-        return tuple(entries) + options
+        entries, options = _specialise(self._backend, fn, kwargs_of_jit, args, kwargs)
+        return tuple((name, kind, repr(x) if kind == "constexpr" else str(x))
+                     for name, kind, x in entries) + tuple(sorted(options.items()))
 
     def _record(self, interpreted, args: tuple, kwargs: dict) -> None:
         key = self.key(interpreted.fn, interpreted.kwargs, args, kwargs)
@@ -133,33 +143,17 @@ def compile_spec(interpreted, args: tuple, kwargs: dict, capability: int = 90) -
     the kernel's module and name, its signature, constexpr values, specialisation attributes
     and launch options. compile_for_cuda compiles it in a process where Triton is not in
     interpreter mode (there the kernel and the helpers it calls are JIT functions)."""
-    from triton.runtime.jit import native_specialize_impl
-
     fn = interpreted.fn
-    backend = _backend(capability)
-    sig = inspect.signature(fn)
-    params = list(sig.parameters)
-    bound = sig.bind(*args, **{k: v for k, v in kwargs.items() if k in sig.parameters})
-    bound.apply_defaults()
-    no_spec = _names(interpreted.kwargs.get("do_not_specialize"), params)
-    no_align = _names(interpreted.kwargs.get("do_not_specialize_on_alignment"), params)
+    entries, options = _specialise(_backend(capability), fn, interpreted.kwargs, args, kwargs)
     signature, constexprs, attrs = {}, {}, {}
-    for i, (name, p) in enumerate(sig.parameters.items()):
-        value = bound.arguments[name]
-        if _is_constexpr(p):
-            signature[name], constexprs[i] = "constexpr", value
-            continue
-        kind, attr = native_specialize_impl(backend, value, False, name not in no_spec,
-                                            name not in no_align)
+    for i, (name, kind, x) in enumerate(entries):
         signature[name] = kind
-        if kind == "constexpr":  # an int specialised to its value (== 1)
-            constexprs[i] = value
-        elif isinstance(attr, str) and attr:
-            attrs[i] = attr
+        if kind == "constexpr":
+            constexprs[str(i)] = x
+        elif isinstance(x, str) and x:
+            attrs[str(i)] = x
     return {"module": fn.__module__, "name": fn.__name__, "signature": signature,
-            "constexprs": {str(i): v for i, v in constexprs.items()},
-            "attrs": {str(i): a for i, a in attrs.items()},
-            "options": {k: v for k, v in kwargs.items() if k not in sig.parameters}}
+            "constexprs": constexprs, "attrs": attrs, "options": options}
 
 
 def compile_for_cuda(spec: dict, capability: int = 90):

@@ -29,7 +29,7 @@ import torch
 
 from sparseserve.config import CacheConfig
 from sparseserve.kernels import residency_hash
-from sparseserve.kernels.retrieve import lru_scratch_size
+from sparseserve.kernels.category_lru import lru_scratch_size
 from sparseserve.kvcache.eviction import NUM_BUCKETS
 from sparseserve.transfer import PageLoader, SavePlan, make_save_plan, make_saver
 from sparseserve.worker.decode_write_through import DecodeWriteThrough

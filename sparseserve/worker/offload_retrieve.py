@@ -38,10 +38,7 @@ class CacheRetrieve:
         counter = self.prefill_hit_miss if prefill else self.hit_miss
         if self.fused:  # the fused kernels take num_sel and stamp themselves
             stamps = None if prefill else (self.stamps.last_selected[layer], self.stamps.step)
-            touch = None
-            if mark_pending:
-                touch = self._pending_marks[self._host_step % 2]
-                self._marked_steps.add(self._host_step)
+            touch = self._pending_touch() if mark_pending else None
             return self._retrieve_fused(layer, pages, num_sel, rows, fresh_from, counter,
                                         fresh_last=fresh_last, stamps=stamps,
                                         defer_rebuild=defer_rebuild, touch=touch,
@@ -79,21 +76,26 @@ class CacheRetrieve:
         context), so the victims are those the per-layer calls would choose.
         -> slots [L', B, Hkv, K] int32, load_src / load_dst [L', N] int64, num_loads [L', 1]."""
         from sparseserve.kernels.retrieve import fused_retrieve
-        touch = self._pending_marks[self._host_step % 2]
-        self._marked_steps.add(self._host_step)
         return fused_retrieve(
             pages, num_sel, rows, self.res_table[l0:l1], self.page_of[l0:l1],
             self.last_access[l0:l1], self.owner[l0:l1], self.row_quota, self.step,
             self.prefill_hit_miss, self.res_fill[l0:l1], self.scratch_page, self.scratch_slot,
             NUM_BUCKETS, fresh_from, lru_scratch=self._lru_scratch[l0:l1],
-            rebuild=not defer_rebuild, touch=touch)
+            rebuild=not defer_rebuild, touch=self._pending_touch())
+
+    def _pending_touch(self) -> torch.Tensor:
+        """The pending-save mark of this host step ([] int64 on the device), which the fused
+        retrieve writes into the slots it maps (no mark launch); the step is remembered so
+        begin_step ages its marks."""
+        self._marked_steps.add(self._host_step)
+        return self._pending_marks[self._host_step % 2]
 
     def load_layer(self, layer: int, load_src: torch.Tensor | None, load_dst: torch.Tensor,
                    num_loads: torch.Tensor) -> None:
         """Load one layer's misses of map_prefill_layers (its row of load_src / load_dst /
         num_loads); load_src None: nothing can miss (every page fresh), no loader launch."""
-        if load_src is None:  # its device counter made as a load would (see _retrieve_fused)
-            self.loader.counter(self.dev_k[layer].device)
+        if load_src is None:  # its device counter made as a load would (a decode step may be
+            self.loader.counter(self.dev_k[layer].device)  # captured next)
             return
         self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
                          self.dev_v[layer], load_src, load_dst, num_live=num_loads)
@@ -119,11 +121,7 @@ class CacheRetrieve:
             NUM_BUCKETS, fresh_from, victim_order=order, fresh_last=fresh_last,
             stamps=stamps, lru_scratch=self._lru_scratch[layer],
             rebuild=not defer_rebuild, touch=touch)
-        if loads:
-            self.loader.load(self.host_k[layer], self.host_v[layer], self.dev_k[layer],
-                             self.dev_v[layer], load_src, load_dst, num_live=num_loads)
-        else:  # its device counter made as a load would (a decode step may be captured next)
-            self.loader.counter(self.dev_k[layer].device)
+        self.load_layer(layer, load_src if loads else None, load_dst, num_loads)
         return slots
 
     def _retrieve_torch(self, layer: int, pages: torch.Tensor, valid: torch.Tensor,

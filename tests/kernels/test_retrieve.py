@@ -146,7 +146,7 @@ def category_keys(last, owner, quota, step, rows: int):
 @pytest.mark.parametrize("S", [1, 17, 97, 4097])
 def test_category_lru_order_is_a_key_sort(S):
     """The fused victim order is a permutation with non-increasing category-LRU keys."""
-    from sparseserve.kernels.retrieve import category_lru_order
+    from sparseserve.kernels.category_lru import category_lru_order
     rows = 7
     last, owner, quota, step = random_slots(S, rows, seed=S)
     order = category_lru_order(last, owner, quota, step, 64)
@@ -219,7 +219,7 @@ def test_residency_index_stays_exact_across_many_remaps():
 def test_category_lru_order_up_to_need(S, need):
     """With `need`, the first need entries are the full order's keys (ties aside): distinct
     slots whose key multiset equals the full sort's first need keys."""
-    from sparseserve.kernels.retrieve import category_lru_order
+    from sparseserve.kernels.category_lru import category_lru_order
     rows = 7
     last, owner, quota, step = random_slots(S, rows, seed=S + need)
     full = category_lru_order(last, owner, quota, step, 64)

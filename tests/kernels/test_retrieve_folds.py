@@ -8,7 +8,7 @@ import torch
 
 from sparseserve.config import CacheConfig
 from sparseserve.kernels import residency_hash
-from sparseserve.kernels.retrieve import category_lru_order, lru_scratch_size
+from sparseserve.kernels.category_lru import category_lru_order, lru_scratch_size
 from sparseserve.worker.offload_cache import TwoTierCache
 
 from tests.conftest import DEVICE
