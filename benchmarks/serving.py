@@ -122,6 +122,18 @@ class RecordingBackend:
         return res
 
 
+def prefill_work(steps: dict, prompt_tokens) -> dict:
+    """How much prefill the point ran for the prompts it served: `prefill_run_x` = prompt
+    tokens prefilled / the served requests' prompt tokens (> 1: preempted prompts recomputed),
+    `useful_prefill_tok_s` = those prompt tokens / the seconds of the steps with prefill work
+    (the rate that moves requests out of the queue; None without the counters)."""
+    w = steps["with_prefill"]
+    if not prompt_tokens or not w["steps"]:
+        return {"prefill_run_x": None, "useful_prefill_tok_s": None}
+    return {"prefill_run_x": w["prefill_tokens"] / prompt_tokens,
+            "useful_prefill_tok_s": prompt_tokens / w["exec_s"]}
+
+
 def run_point(engine, requests: list, rate: float, cap_s: float, seed: int,
               profile_steps=()) -> dict:
     """One benchmark run at `rate`, cut at `cap_s` seconds: a point record (serving_report).
@@ -177,6 +189,7 @@ def run_point(engine, requests: list, rate: float, cap_s: float, seed: int,
              "profiles": [{"step": i, **{k: h[k] for k in ("decode", "prefill_token_layers",
                                                            "exec_s", "profile")}}
                           for i, h in enumerate(steps.history) if "profile" in h]}
+    point.update(prefill_work(point["steps"], sm.get("prompt_tokens")))
     # mean TTFT over every sent request, the time until the cut standing in for a missing one
     ttfts = [(x.ttft if x.ttft is not None else x.latency) for x in backend.results]
     point["mean_ttft_lb_ms"] = 1000 * sum(ttfts) / len(ttfts) if ttfts else None
@@ -198,7 +211,9 @@ def _log_point(deadline, preset: str, p: dict) -> None:
                         f"{m['steps']} with prefill "
                         f"({C.fmt(m['mean_ms'], 1)} ms, {C.fmt(m['mean_decode_rows'], 1)} rows, "
                         f"{C.fmt(m['prefill_tokens_per_s'], 0)} prefill tok/s), "
-                        f"{st['outside_exec_s']:.1f} s outside execute")
+                        f"{st['outside_exec_s']:.1f} s outside execute; prompts prefilled "
+                        f"{C.fmt(p.get('prefill_run_x'), 2)}x (useful "
+                        f"{C.fmt(p.get('useful_prefill_tok_s'), 0)} tok/s)")
 
 
 EXTRA_RUNGS = 4  # --extend-ladder probes at most this many rates past a preset's list

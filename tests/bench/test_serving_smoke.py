@@ -51,6 +51,9 @@ def test_serving_smoke(tmp_path):
             d, w = st["decode_only"], st["with_prefill"]
             assert d["steps"] + w["steps"] == st["steps"] > 0 and w["steps"] > 0
             assert w["prefill_tokens"] == pytest.approx(m["prompt_tokens"])
+            # ... so the prompts were prefilled once, and the useful rate is the whole rate
+            assert p["prefill_run_x"] == pytest.approx(1.0)
+            assert p["useful_prefill_tok_s"] == pytest.approx(w["prefill_tokens_per_s"])
             assert 0 < st["exec_s"] <= p["duration"] + 1e-6
             assert st["outside_exec_s"] == pytest.approx(p["duration"] - st["exec_s"])
             assert d["pages_loaded_per_step"] >= 0 and w["pages_loaded_per_step"] >= 0
