@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 import engine_bench as E  # noqa: E402
 import serving_report as R  # noqa: E402
-from system_run import StepRecorder, step_range, summarize_steps  # noqa: E402
+from system_run import StepRecorder, prefill_work, step_range, summarize_steps  # noqa: E402
 
 GiB = 1 << 30
 PRESETS = ("dense", "sparse", "sparse-offload", "sparseserve")
@@ -120,18 +120,6 @@ class RecordingBackend:
         res = await self.inner.send(req)
         self.results.append(res)
         return res
-
-
-def prefill_work(steps: dict, prompt_tokens) -> dict:
-    """How much prefill the point ran for the prompts it served: `prefill_run_x` = prompt
-    tokens prefilled / the served requests' prompt tokens (> 1: preempted prompts recomputed),
-    `useful_prefill_tok_s` = those prompt tokens / the seconds of the steps with prefill work
-    (the rate that moves requests out of the queue; None without the counters)."""
-    w = steps["with_prefill"]
-    if not prompt_tokens or not w["steps"]:
-        return {"prefill_run_x": None, "useful_prefill_tok_s": None}
-    return {"prefill_run_x": w["prefill_tokens"] / prompt_tokens,
-            "useful_prefill_tok_s": prompt_tokens / w["exec_s"]}
 
 
 def run_point(engine, requests: list, rate: float, cap_s: float, seed: int,

@@ -134,6 +134,19 @@ def summarize_steps(history: list[dict], num_layers: int, duration_s: float) -> 
             "decode_only": part(pure), "with_prefill": mixed_part}
 
 
+def prefill_work(steps: dict, prompt_tokens) -> dict:
+    """From summarize_steps' record of a run and the prompt tokens of the requests it served
+    (the server's `prompt_tokens` counter): `prefill_run_x` = prompt
+    tokens prefilled / the served requests' prompt tokens (> 1: preempted prompts recomputed),
+    `useful_prefill_tok_s` = those prompt tokens / the seconds of the steps with prefill work
+    (the rate that moves requests out of the queue; None without the counters)."""
+    w = steps["with_prefill"]
+    if not prompt_tokens or not w["steps"]:
+        return {"prefill_run_x": None, "useful_prefill_tok_s": None}
+    return {"prefill_run_x": w["prefill_tokens"] / prompt_tokens,
+            "useful_prefill_tok_s": prompt_tokens / w["exec_s"]}
+
+
 def _set_compile_hook(hook):
     """Install Triton's post-compile hook (called once per kernel compiled); -> the previous
     one. No-op without Triton's knobs."""
