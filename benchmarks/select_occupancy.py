@@ -11,6 +11,15 @@ kernel compiles to, so the device time goes to the variants worth timing.
 
   python benchmarks/select_occupancy.py --out /tmp/occ.json                  # keycode2-sparq
   python benchmarks/select_occupancy.py --out /tmp/occ.json --num-warps 4,8 --maxnreg 0,128,96
+  python benchmarks/select_occupancy.py --out /tmp/occ.json --sass-stats \
+      --algorithm keycode2-sparq@score_kernel=4    # + the score loop's SASS per page
+
+``--sass-stats`` reads the score loop out of the SASS (the longest span closed by a backward
+branch) and counts its instructions, barriers, shared-memory and global accesses, shuffles and
+mma; per page = per warp and loop iteration / the pages of one iteration (``BLOCK_W``: 16 for
+``sparq_stream``, score_kernel 3 and 4; 64 for ``sparq_tiles``). Issue slots, not time; the
+barriers (where a program's warps wait for each other's loads) and the shared-memory round
+trips are what redesigns of the score phase aim to remove (sparse.md).
 
 Occupancy here is the register and shared-memory limit per SM (64 warps, 65,536 registers,
 228 KiB of shared memory on sm_90), capped by the programs the grid gives each of 132 SMs.
@@ -84,7 +93,38 @@ print(json.dumps(caps))
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def compile_launch(cap: dict, num_warps: int | None, maxnreg: int) -> dict:
+LOOP_OPS = ("BAR.SYNC", "LDS", "STS", "LDSM", "LDGSTS", "LDG", "STG", "SHFL", "HMMA", "MUFU",
+            "I2F", "F2FP", "PRMT", "LOP3", "FFMA", "FADD", "FMNMX")
+
+
+def loop_stats(sass: str, pages: int, num_warps: int) -> dict:
+    """The longest loop of a SASS listing (from a backward branch's target to the branch):
+    its instructions per warp and iteration, per page (``pages`` an iteration of the program:
+    ``per_page`` per warp, ``warp_inst_per_page`` summed over the program's ``num_warps``)
+    and the count of each opcode family of ``LOOP_OPS`` (``LDS`` counts LDS.*, not LDSM)."""
+    inst = [(int(m.group(1), 16), m.group(2).strip()) for m in
+            re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    best = None
+    for addr, text in inst:
+        tgt = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)
+        if tgt and int(tgt.group(1), 16) < addr:
+            span = (int(tgt.group(1), 16), addr)
+            if best is None or span[1] - span[0] > best[1] - best[0]:
+                best = span
+    if best is None:
+        return {}
+    body = [t for a, t in inst if best[0] <= a <= best[1]]
+    ops = [re.sub(r"^@!?U?P[T0-9]+\s+", "", t).split()[0] for t in body]
+    out = dict(loop_instructions=len(body), loop_pages=pages,
+               per_page=round(len(body) / pages, 1),
+               warp_inst_per_page=round(len(body) * num_warps / pages, 1))
+    for op in LOOP_OPS:  # "LDS" matches LDS and LDS.*, not LDSM
+        out[op] = sum(o == op or o.startswith(op + ".") for o in ops)
+    return out
+
+
+def compile_launch(cap: dict, num_warps: int | None, maxnreg: int,
+                   sass_stats: bool = False) -> dict:
     """Compile one captured launch for sm_90 -> registers, spill bytes, shared memory,
     SASS instructions and the warps per SM it can keep in flight."""
     import importlib
@@ -130,10 +170,14 @@ def compile_launch(cap: dict, num_warps: int | None, maxnreg: int) -> dict:
         programs *= g
     per_sm = min(REGS_PER_SM // (regs * 32 * nw), SMEM_PER_SM // smem if smem else 64,
                  WARPS_PER_SM // nw, -(-programs // SMS))
-    return dict(kernel=cap["name"], grid=cap["grid"], num_warps=nw, maxnreg=maxnreg,
-                registers=regs, spill_bytes=stack, shared_bytes=smem,
-                sass_instructions=sass.count(";"), programs_per_sm=per_sm,
-                warps_per_sm=per_sm * nw)
+    row = dict(kernel=cap["name"], grid=cap["grid"], num_warps=nw, maxnreg=maxnreg,
+               registers=regs, spill_bytes=stack, shared_bytes=smem,
+               sass_instructions=sass.count(";"), programs_per_sm=per_sm,
+               warps_per_sm=per_sm * nw)
+    const = {name: spec for name, kind, spec in cap["args"] if kind == "constexpr"}
+    if sass_stats and const.get("DO_SCORE") and const.get("SPARQ", 0) >= 2:
+        row.update(loop_stats(sass, const["BLOCK_W"], nw))
+    return row
 
 
 def main() -> None:
@@ -147,13 +191,15 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=2048)
     ap.add_argument("--num-warps", default="0", help="comma list; 0 = the launch's own")
     ap.add_argument("--maxnreg", default="0", help="comma list of register caps; 0 = none")
+    ap.add_argument("--sass-stats", action="store_true",
+                    help="count the score loop's SASS (instructions per page, BAR.SYNC, LDS ...)")
     args = ap.parse_args()
     caps = capture(args)
     rows = []
     for cap in caps:
         for nw in map(int, args.num_warps.split(",")):
             for mr in map(int, args.maxnreg.split(",")):
-                rows.append(compile_launch(cap, nw or None, mr))
+                rows.append(compile_launch(cap, nw or None, mr, args.sass_stats))
     with open(args.out, "w") as f:
         json.dump({"argv": sys.argv, "rows": rows}, f, indent=1)
     cols = ["kernel", "grid", "num_warps", "maxnreg", "registers", "spill_bytes",
@@ -161,6 +207,12 @@ def main() -> None:
     print("  ".join(cols))
     for r in rows:
         print("  ".join(str(r[c]) for c in cols))
+    for r in rows:
+        if "loop_instructions" in r:
+            print(f"{r['kernel']} {r['grid']} score loop: " + "  ".join(
+                f"{k}={r[k]}" for k in ("loop_instructions", "loop_pages", "per_page",
+                                        "warp_inst_per_page")
+                + LOOP_OPS))
 
 
 if __name__ == "__main__":

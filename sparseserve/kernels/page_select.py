@@ -32,6 +32,17 @@ SPLIT_PROGRAMS_PER_SM = 2  # split mode until rows alone give this many programs
 # at 128k x 16 on the H100 its score launch took 343 us at 5 splits (4 a SM), 258 at 12, 261
 # at 24, 272 at 64 (sparse.md, twenty-first session)
 STREAM_PROGRAMS_PER_SM = 12
+# sparq_kernel=4: sparq_stream's loop in split programs of LEAN_WARPS warps (8 pages a warp and
+# iteration instead of 4). Its page-term dots ([16, D] x [D, GP], N = 4) are computed by every
+# warp of a program (an mma tile is 16 rows, the sub-tile 16 pages), so halving the warps
+# halves that redundancy: offline SASS at 128k x 16 (benchmarks/select_occupancy.py
+# --sass-stats, sm_90), 153 warp-instructions per page against 186 at 4 warps, the same 7
+# BAR.SYNC per iteration (each now waits on 2 warps, not 4), 168 registers, no spills, 6
+# programs (12 warps) per SM instead of 4 x 4. Page terms without tl.dot (broadcast-multiply
+# + tl.sum) measured worse offline: Triton's default layouts put those loads' warps off the
+# page axis, and the conversions back cost 11-26 barriers. Not yet timed on a GPU
+LEAN_WARPS = 2
+LEAN_PROGRAMS_PER_SM = 12  # as the stream's (fewer warps a program: more fit an SM)
 # ... and only for rows of more pages than this: a short row is scored in a few us by one
 # program, less than the split mode's second launch (light8 profile, fifteenth session: 2
 # launches of ~9 us per layer at 160-page rows). In pages, not chunks: chunks are 16 to 64
@@ -96,7 +107,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                        [S, D * PS / 16] or [S, D, PS / 16]) and kmin / kmax [S, D]: each row
                        decodes its R channels (``sparse/keycode_sparq.py``; scores as
                        ``ref.sparq_page_bounds``); kmin / kmax / codes may be strided views
-        sparq_kernel, sparq_asm: its score phase (3: ``sparq_stream``, 2: ``sparq_tiles``,
+        sparq_kernel, sparq_asm: its score phase (3: ``sparq_stream``, 4: the same with
+                       ``LEAN_WARPS`` warps per split score program, 2: ``sparq_tiles``,
                        1: ``sparq_codes``)
                        and bf16x2 decoding in it (default: ``sparq_tiles.SPARQ_*``, by env)
         sparq_rec:     [S, D * NR] int32: the records that kmin / kmax / codes view
@@ -171,16 +183,16 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                                       num_warps or NUM_WARPS)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     version = (SPARQ_KERNEL if sparq_kernel is None else sparq_kernel) if sparq else 0
-    if version in (2, 3) and (kscale is None or ps // 16 not in (1, 2, 4)):
+    if version in (2, 3, 4) and (kscale is None or ps // 16 not in (1, 2, 4)):
         version = 1  # sparq_tiles / sparq_stream: int8 means, 16 to 64 tokens a page
     # whole-record loads: sparq_tiles / _stream with 4-word records (else their strided views)
     rec_kind = rec_kind if version >= 2 and rec_kind and sparq_rec.shape[1] == 4 * D else 0
     if version == 2:  # chunks of TILE_PAGES pages (a multiple of 16: sub-tiles of 16)
         block_w = block_w if block_w and block_w % 16 == 0 else TILE_PAGES
-    elif version == 3:  # one sub-tile an iteration
+    elif version in (3, 4):  # one sub-tile an iteration
         if block_w not in (None, STREAM_PAGES):
             warnings.warn(f"select_pages: block_w={block_w} (or SPARSESERVE_SELECT_BLOCK_W) does "
-                          f"nothing for sparq_stream (sparq_kernel=3), whose step is "
+                          f"nothing for sparq_stream (sparq_kernel={version}), whose step is "
                           f"{STREAM_PAGES} pages; pass sparq_kernel=2 to sweep it", stacklevel=2)
         block_w = STREAM_PAGES
     block_w = block_w or (16 if R else max(1, min(16, 8192 // (ps * BLOCK_D))) if bits
@@ -189,7 +201,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     chunks = triton.cdiv(W, block_w)
     splits = num_splits or _default_splits(
         q, B * Hkv, chunks, block_w,
-        STREAM_PROGRAMS_PER_SM if version == 3 else SPLIT_PROGRAMS_PER_SM)
+        STREAM_PROGRAMS_PER_SM if version == 3 else LEAN_PROGRAMS_PER_SM if version == 4
+        else SPLIT_PROGRAMS_PER_SM)
     splits = max(1, min(splits, chunks, MAX_SPLITS))
     cps = triton.cdiv(chunks, splits)
     splits = triton.cdiv(chunks, cps)
@@ -226,8 +239,9 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         _page_select_kernel[(B, Hkv, 1)](*args, **meta, DO_SCORE=True, DO_SELECT=True,
                                          NW=sel_warps, num_warps=sel_warps)
     else:
+        score_warps = num_warps or (LEAN_WARPS if version == 4 else 4)
         _page_select_kernel[(B, Hkv, splits)](*args, **meta, DO_SCORE=True, DO_SELECT=False,
-                                              NW=num_warps or 4, num_warps=num_warps or 4)
+                                              NW=score_warps, num_warps=score_warps)
         _page_select_kernel[(B, Hkv, 1)](*args, **meta, DO_SCORE=False, DO_SELECT=True,
                                          NW=sel_warps, num_warps=sel_warps)
     return out_pages, out_num, out_blocks

@@ -107,7 +107,7 @@ def _page_select_kernel(
             codes_ptr, kscale_ptr, chan_ptr + b64 * stride_chan + h * R, stride_mean,
             stride_min, stride_max, stride_codes, pt_row, s_row, stride_sg, n, c0, c1, qk_scale,
             magic, G, GP, D, BLOCK_D, PS, R, BLOCK_W, 16, NW, ASM, FAST, DOT_PREC, BCS, CCS, REC)
-    elif DO_SCORE and SPARQ == 3:  # sparq_stream: 16 pages an iteration, all in registers
+    elif DO_SCORE and (SPARQ == 3 or SPARQ == 4):  # sparq_stream (4: its 2-warp launch)
         m_run, l_run = sparq_score_stream(
             q_ptr + b64 * stride_qb + h * G * stride_qh, stride_qh, mean_ptr, kmin_ptr, kmax_ptr,
             codes_ptr, kscale_ptr, chan_ptr + b64 * stride_chan + h * R, stride_mean,

@@ -94,7 +94,8 @@ class KeyCodeSparQ(SparseAlgorithm):
     bits = 2
     channels = 16  # R (at most head_dim)
     fused_select = os.environ.get("SPARSESERVE_FUSED_SELECT", "1") not in ("0", "")
-    score_kernel = None  # score phase: 3 sparq_stream, 2 sparq_tiles, 1 sparq_codes (None: env)
+    score_kernel = None  # score phase: 3 sparq_stream (4: 2-warp split programs), 2 sparq_tiles,
+    # 1 sparq_codes (None: env)
     decode_asm = None    # sparq_tiles' bf16x2 decode on the GPU (None: env)
     select_splits = None  # score programs per row (None: select_pages' heuristic / env)
     select_warps = None  # warps per select program (None: select_pages' choice / env)

@@ -48,3 +48,24 @@ def test_fused_retrieve_compiles_for_sm90():
     out = compile_in_subprocess(rec.specs)
     assert sorted(line.split()[0] for line in out.splitlines()) == sorted(
         s["name"] for s in rec.specs)
+
+
+def test_sparq_kernel4_select_compiles_for_sm90():
+    """keycode2-sparq's select with ``sparq_kernel=4`` (sparq_stream's loop in split programs of
+    ``page_select.LEAN_WARPS`` warps, then the select launch): both launches compile."""
+    from sparseserve.kernels.page_select import LEAN_WARPS
+
+    from tests.kernels.test_sparq_records import _pair
+    from tests.kernels.test_sparq_stream import _select
+
+    (new, _), q, table, num, ch = _pair([97, 40], 8, 2, 128, 32, torch.bfloat16, 5)
+    with LaunchRecorder() as rec:
+        _select(new[0].views(new[1]), q, table, num, ch, 4, splits=3)
+    score = [s for s in rec.specs if s["name"] == "_page_select_kernel"
+             and s["constexprs"][str(list(s["signature"]).index("DO_SCORE"))]
+             and not s["constexprs"][str(list(s["signature"]).index("DO_SELECT"))]]
+    assert len(score) == 1 and score[0]["options"].get("num_warps") == LEAN_WARPS
+    assert score[0]["constexprs"][str(list(score[0]["signature"]).index("SPARQ"))] == 4
+    out = compile_in_subprocess(rec.specs)
+    assert sorted(line.split()[0] for line in out.splitlines()) == sorted(
+        s["name"] for s in rec.specs)

@@ -1,0 +1,88 @@
+"""``select_pages(..., sparq_kernel=4)`` (``keycode2-sparq@score_kernel=4``): sparq_stream's
+score loop in split programs of ``page_select.LEAN_WARPS`` warps. Against the stream at its 4
+warps (``sparq_kernel=3``) and the torch reference: the same per-head scores to fp32 rounding,
+the same pages, bit for bit on both summary layouts; rows of 1, 17, 97 and 4097 pages in mixed
+batches, split (the 2-warp launch) and fused, GQA and MHA, every record kind. On DEVICE
+(compiled on CUDA, interpreted on CPU)."""
+import pytest
+import torch
+
+from sparseserve.kernels import ref
+from sparseserve.kernels.page_select import LEAN_WARPS
+from sparseserve.sparse import get_algorithm_class
+
+from tests.conftest import DEVICE
+from tests.kernels import to_dev
+from tests.kernels.test_sparq_records import _LAYOUTS, _pair
+from tests.kernels.test_sparq_stream import _select
+
+LOG2E = 1.4426950408889634
+
+
+def _full(x, num):
+    B, Hkv, _, W = x.shape
+    full = torch.arange(W, device=DEVICE).view(1, 1, 1, W) < (num - 1).view(B, Hkv, 1, 1)
+    return full.expand_as(x)
+
+
+@pytest.mark.parametrize("Hq,Hkv,layout", [(8, 2, n) for n in
+                                           ("bf16-p32", "f16-p32", "bf16-p16",
+                                            "f32-p32-strided", "f32-p16",
+                                            "bf16-p64-strided")] + [(4, 4, "bf16-p32")])
+def test_kernel4_equals_stream_and_reference(Hq, Hkv, layout):
+    assert LEAN_WARPS < 4  # else this version is the stream's own launch
+    dtype, ps = _LAYOUTS[layout]
+    (new, old), q, table, num, ch = _pair([1, 17, 97], Hq, Hkv, 64, ps, dtype,
+                                          ps + Hq + dtype.itemsize)
+    vn, vo = new[0].views(new[1]), old[0].views(old[1])
+    full = None
+    for splits in (3, 1):  # split (the LEAN_WARPS launch) and fused
+        stream_x, stream_sel = _select(vn, q, table, num, ch, 3, splits)
+        got = [_select(v, q, table, num, ch, 4, splits) for v in (vn, vo)]
+        # layout-independent, bit for bit (NaN: past the full pages, never written)
+        assert torch.equal(got[0][0].nan_to_num(), got[1][0].nan_to_num()), splits
+        for a, b in zip(got[0][1], got[1][1]):
+            assert torch.equal(a, b)
+        x, sel = got[0]
+        full = _full(x, num)
+        assert x[~full].isnan().all() and not x[full].isnan().any()  # only full pages written
+        torch.testing.assert_close(x[full], stream_x[full], rtol=1e-5, atol=1e-5)
+        for a, b in zip(sel, stream_sel):  # pages, num_sel, blocks
+            assert torch.equal(a, b), splits
+    want = ref.sparq_page_bounds(q, vo["kmean"], vo["kscale"], vo["kmin"], vo["kmax"],
+                                 vo["codes"], ch, table, num) * (64 ** -0.5 * LOG2E)
+    torch.testing.assert_close(x[full], want[full], rtol=2e-2, atol=5e-2)
+
+
+def test_kernel4_wide_row():
+    """A 4097-page row beside a 5-page one, split by the heuristic (CPU: 8 stand-in SMs) and
+    into 3 programs: the stream's scores to fp32 rounding and its pages."""
+    (new, _), q, table, num, ch = _pair([4097, 5], 8, 2, 64, 32, torch.bfloat16, 11)
+    v = new[0].views(new[1])
+    for splits in (None, 3):
+        stream = _select(v, q, table, num, ch, 3, splits)
+        got = _select(v, q, table, num, ch, 4, splits)
+        for a, c in zip(got[1], stream[1]):
+            assert torch.equal(a, c), splits
+        torch.testing.assert_close(got[0].nan_to_num(), stream[0].nan_to_num(), rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_algorithm_knob_selects_kernel4():
+    """``keycode2-sparq@score_kernel=4`` as ``benchmarks/sparse_decode.py`` applies it (the
+    variant's key=value set as a class attribute) picks this launch: the stream's pages."""
+    (new, _), q, table, num, _ = _pair([97, 54], 8, 2, 64, 32, torch.bfloat16, 3)
+    alg, summ = new
+    last = to_dev(torch.full((2,), 5, dtype=torch.int32))
+    alg.score_kernel = 3
+    stream = alg.select_kernel(q, table, num, last, summ, backend="triton")
+    base, _, rest = "keycode2-sparq@score_kernel=4".partition("@")
+    assert isinstance(alg, get_algorithm_class(base))
+    for item in rest.split("+"):
+        key, _, val = item.partition("=")
+        assert hasattr(alg, key)
+        setattr(alg, key, int(val))
+    assert alg.score_kernel == 4
+    got = alg.select_kernel(q, table, num, last, summ, backend="triton")
+    for a, b in zip(got, stream):
+        assert torch.equal(a, b)
