@@ -68,7 +68,7 @@ def engine_args(a, name: str, device: str, dtype: str) -> dict:
     preset, overrides = CONFIGS[name]
     kw = dict(load_format="dummy", dtype=dtype, device=device, seed=a.seed, preset=preset,
               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-              max_num_batched_tokens=a.max_num_batched_tokens,
+              max_num_batched_tokens=a.batched_tokens_of.get(name, a.max_num_batched_tokens),
               kv_cache_memory_bytes=int(a.kv_cache_gib * GiB))
     if preset != "dense":
         kw["token_budget"] = a.token_budget
@@ -283,6 +283,19 @@ def add_workload_args(p) -> None:
     p.add_argument("--token-budget", type=int, default=2048)
 
 
+def per_config(items: list[str], names: list[str], flag: str, what: str) -> dict[str, str]:
+    """`NAME=VALUE` options of one configuration each -> {NAME: VALUE}; SystemExit when NAME is
+    not a configuration of this run."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in names:
+            raise SystemExit(f"{flag} {item!r}: expected NAME={what} with NAME one of the "
+                             f"configurations run ({', '.join(names)})")
+        out[name] = value
+    return out
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     E.add_run_args(p, "JSON result path (the figure goes next to it, .png)", list(CONFIGS))
@@ -297,6 +310,9 @@ def parse_args(argv=None):
     p.add_argument("--rates-of", action="append", default=[], metavar="NAME=R1,R2",
                    help="rates of one configuration instead of --rates (repeatable): a goodput "
                         "sweep probes dense below its saturation and sparseserve around its own")
+    p.add_argument("--batched-tokens-of", action="append", default=[], metavar="NAME=N",
+                   help="--max-num-batched-tokens of one configuration (repeatable): each engine "
+                        "at the step budget it serves best, e.g. sparseserve=4096")
     p.add_argument("--num-prompts", type=int, default=24)
     add_workload_args(p)
     p.add_argument("--tbt-slo-ms", type=float, default=None,
@@ -331,15 +347,11 @@ def parse_args(argv=None):
         a.kv_cache_gib, a.host_gib, a.token_budget = 0.004, 0.05, 128
         a.warmup_lens, a.warmup_max_tokens, a.min_point_s = "100,300", 4, 0.0
     a.warmup_lens = [int(x) for x in E.split_list(a.warmup_lens)]
-    rates_of = {}
-    for item in a.rates_of:
-        name, sep, rates = item.partition("=")
-        if not sep or name not in a.names:
-            raise SystemExit(f"--rates-of {item!r}: expected NAME=R1,R2 with NAME one of the "
-                             f"configurations run ({', '.join(a.names)})")
-        rates_of[name] = [float(x) for x in E.split_list(rates)]
-    a.rates_of = rates_of
-    if any(not r > 0 for rs in (a.rates, *rates_of.values()) for r in rs):
+    a.rates_of = {name: [float(x) for x in E.split_list(v)]
+                  for name, v in per_config(a.rates_of, a.names, "--rates-of", "R1,R2").items()}
+    a.batched_tokens_of = {name: int(v) for name, v in per_config(
+        a.batched_tokens_of, a.names, "--batched-tokens-of", "N").items()}
+    if any(not r > 0 for rs in (a.rates, *a.rates_of.values()) for r in rs):
         raise SystemExit("--rates / --rates-of: every rate must be > 0 (or inf)")
     if a.extend_ladder is not None:
         if not a.extend_ladder > 1:
