@@ -204,13 +204,31 @@ def test_rates_of_each_configuration(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "serving.py"),
                            "--smoke", "--out", str(out), "--presets", "sparseserve,dense",
-                           "--rates", "inf", "--rates-of", "dense=7,13"],
+                           "--rates", "inf", "--rates-of", "dense=7,13",
+                           "--batched-tokens-of", "sparseserve=192"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert [p["rate"] for p in r["presets"]["dense"]["points"]] == [7.0, 13.0]
     assert [p["rate"] for p in r["presets"]["sparseserve"]["points"]] == ["inf"]
     assert r["settings"]["rates_of"] == {"dense": [7.0, 13.0]}
+    # --batched-tokens-of: that configuration's engine alone gets the step budget
+    assert r["presets"]["sparseserve"]["engine_args"]["max_num_batched_tokens"] == 192
+    assert r["presets"]["dense"]["engine_args"]["max_num_batched_tokens"] == 128
+
+
+def test_batched_tokens_of_each_configuration():
+    """--batched-tokens-of NAME=N sets one configuration's --max-num-batched-tokens; the others
+    keep the common one; a name not run is an error that says what to pass."""
+    a = S.parse_args(["--out", "x.json", "--presets", "dense,sparseserve",
+                      "--max-num-batched-tokens", "2048", "--batched-tokens-of", "sparseserve=4096"])
+    assert a.batched_tokens_of == {"sparseserve": 4096}
+    assert S.engine_args(a, "sparseserve", "cpu", "float32")["max_num_batched_tokens"] == 4096
+    assert S.engine_args(a, "dense", "cpu", "float32")["max_num_batched_tokens"] == 2048
+    for bad in ("sparse=4096", "sparseserve"):
+        with pytest.raises(SystemExit, match="--batched-tokens-of"):
+            S.parse_args(["--out", "x.json", "--presets", "dense,sparseserve",
+                          "--batched-tokens-of", bad])
 
 
 def test_extend_ladder_probes_until_a_rate_misses(tmp_path):
