@@ -17,6 +17,26 @@ from tests.kernels.test_sparq_records import _LAYOUTS, _pair
 LOG2E = 1.4426950408889634
 
 
+def score_tol() -> dict:
+    """Tolerance between two score kernels on the same summaries: fp32 summation order
+    interpreted; compiled, also the bf16 rounding step of assert_same_across_layouts."""
+    return dict(rtol=1e-5, atol=1e-5) if DEVICE.type == "cpu" else dict(rtol=2e-3, atol=2e-3)
+
+
+def assert_same_across_layouts(a: torch.Tensor, b: torch.Tensor, msg) -> None:
+    """Scores [B, Hkv, G, W] of one launch on the two summary layouts (NaN: never written).
+    Interpreted, bit for bit. Compiled, within a bf16 rounding of the page-term operands: the
+    two layouts compile to different kernels whose FMA contraction of ``lo + (hi - lo) / 8 -
+    mean`` can differ by an fp32 ulp, and that value is rounded to bf16 for the dot, so a value
+    on a rounding boundary moves one bf16 step (the H100, 16-token pages: 4 of 3,104 scores,
+    at most 3.7e-4 relative; gpu-tests.md, twenty-fourth session)."""
+    a, b = a.nan_to_num(), b.nan_to_num()
+    if a.device.type == "cpu":
+        assert torch.equal(a, b), msg
+    else:
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=lambda m: f"{msg}: {m}")
+
+
 def _select(v, q, table, num, ch, kernel, splits=None, warps=None):
     B, Hkv, W = table.shape
     xs = torch.full((B, Hkv, q.shape[1] // Hkv, W), float("nan"), device=DEVICE)
@@ -42,13 +62,13 @@ def test_stream_equals_tiles_and_reference(Hq, Hkv, layout):
     full = full.expand_as(tiles_x)
     for splits in (1, 5):
         got = [_select(v, q, table, num, ch, 3, splits) for v in (vn, vo)]
-        # layout-independent, bit for bit (NaN: the entries past the full pages, never written)
-        assert torch.equal(got[0][0].nan_to_num(), got[1][0].nan_to_num()), splits
+        # layout-independent (NaN: the entries past the full pages, never written)
+        assert_same_across_layouts(got[0][0], got[1][0], splits)
         for a, b in zip(got[0][1], got[1][1]):
             assert torch.equal(a, b)
         x, sel = got[0]
         assert x[~full].isnan().all() and not x[full].isnan().any()  # only full pages written
-        torch.testing.assert_close(x[full], tiles_x[full], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x[full], tiles_x[full], **score_tol())
         for a, b in zip(sel, tiles_sel):  # pages, num_sel, blocks
             assert torch.equal(a, b), splits
     want = ref.sparq_page_bounds(q, vo["kmean"], vo["kscale"], vo["kmin"], vo["kmax"],
