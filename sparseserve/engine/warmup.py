@@ -16,6 +16,7 @@ only: on the CPU nothing is compiled at run time (Triton's interpreter is not th
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -62,7 +63,18 @@ def warm_up(engine, decode_tokens: int = 4, max_steps: int = 10_000) -> float:
     A and B decode (two decode rows beside two prefill chunks: Triton specialises integer
     arguments on == 1, so a batch of one row does not compile the kernels of a batch of two).
     A and B then stop (aborted), the last two finish. Raises if the engine cannot serve them:
-    a cache too small for a few short prompts cannot serve users."""
+    a cache too small for a few short prompts cannot serve users.
+
+    Under layer-segmented prefill A's prefill takes two steps: its first layer alone (the
+    injection budget lowered to A for that step), then its other layers, a segment from
+    layer 1. A prefill maps its pages in every layer of its segment at once
+    (TwoTierCache.map_prefill_layers) through the rows of the per-layer slot arrays from the
+    segment's first layer on; with an even slot count (40,960 at 20 GiB of Llama-3-8B KV) a
+    row of slots + 1 int64 entries is an odd count, so the 16-byte alignment of the first
+    row alternates with the layer, and the retrieve kernels are specialised on it. Served prompts that share a step's injection budget start
+    segments at any layer, while the warm-up's short prompts otherwise all start at layer 0
+    (on the H200 the sparseserve preset at max_num_batched_tokens 4096 compiled
+    _probe_kernel and _assign_kernel mid-serving for it)."""
     if engine.has_unfinished_requests():
         raise RuntimeError("warm_up runs before the engine takes requests.")
     t0 = time.perf_counter()
@@ -102,6 +114,8 @@ def warm_up(engine, decode_tokens: int = 4, max_steps: int = 10_000) -> float:
             added.append(f"{WARMUP_PREFIX}{i}")
             engine.add_request(added[-1], {"prompt_token_ids": [(7 * t + 3 + i) % vocab
                                                                  for t in range(n)]}, params)
+        if k == 0 and sc.max_inject_tokens:
+            _first_layer_alone(engine, added[0], phase[0], step)
         while engine.has_unfinished_requests() and not seen_token.issuperset(added):
             step()
     engine.abort_request(added[:2])  # A and B, if still decoding (finished ids are skipped)
@@ -111,3 +125,19 @@ def warm_up(engine, decode_tokens: int = 4, max_steps: int = 10_000) -> float:
     logger.info("warm-up: %d prompts (%s tokens) in %d phases, %.2f s", len(added),
                 " + ".join("/".join(map(str, p)) for p in phases), len(phases), took)
     return took
+
+
+def _first_layer_alone(engine, request_id: str, num_tokens: int, step) -> None:
+    """Step until request `request_id` (a prompt of `num_tokens`, waiting) ran its first
+    layer segment, with the scheduler's injection budget lowered to the prompt: one layer.
+    The next step, under the configured budget, runs its other layers from layer 1."""
+    sched = engine.scheduler
+    req = sched.requests[request_id]
+    configured = sched.cfg
+    sched.cfg = dataclasses.replace(configured, max_inject_tokens=num_tokens)
+    try:
+        while req.prefill_layer == 0 and req.num_computed_tokens == 0 and \
+                engine.has_unfinished_requests():
+            step()
+    finally:
+        sched.cfg = configured
