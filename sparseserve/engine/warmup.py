@@ -71,8 +71,9 @@ def warm_up(engine, decode_tokens: int = 4, max_steps: int = 10_000) -> float:
     (TwoTierCache.map_prefill_layers) through the rows of the per-layer slot arrays from the
     segment's first layer on; with an even slot count (40,960 at 20 GiB of Llama-3-8B KV) a
     row of slots + 1 int64 entries is an odd count, so the 16-byte alignment of the first
-    row alternates with the layer, and the retrieve kernels are specialised on it. Served prompts that share a step's injection budget start
-    segments at any layer, while the warm-up's short prompts otherwise all start at layer 0
+    row alternates with the layer, and the retrieve kernels are specialised on it. Served
+    prompts that share a step's injection budget start segments at any layer, while the
+    warm-up's short prompts otherwise all start at layer 0
     (on the H200 the sparseserve preset at max_num_batched_tokens 4096 compiled
     _probe_kernel and _assign_kernel mid-serving for it)."""
     if engine.has_unfinished_requests():

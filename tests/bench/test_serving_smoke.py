@@ -221,7 +221,8 @@ def test_batched_tokens_of_each_configuration():
     """--batched-tokens-of NAME=N sets one configuration's --max-num-batched-tokens; the others
     keep the common one; a name not run is an error that says what to pass."""
     a = S.parse_args(["--out", "x.json", "--presets", "dense,sparseserve",
-                      "--max-num-batched-tokens", "2048", "--batched-tokens-of", "sparseserve=4096"])
+                      "--max-num-batched-tokens", "2048",
+                      "--batched-tokens-of", "sparseserve=4096"])
     assert a.batched_tokens_of == {"sparseserve": 4096}
     assert S.engine_args(a, "sparseserve", "cpu", "float32")["max_num_batched_tokens"] == 4096
     assert S.engine_args(a, "dense", "cpu", "float32")["max_num_batched_tokens"] == 2048
