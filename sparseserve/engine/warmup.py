@@ -131,11 +131,15 @@ def warm_up(engine, decode_tokens: int = 4, max_steps: int = 10_000) -> float:
 def _first_layer_alone(engine, request_id: str, num_tokens: int, step) -> None:
     """Step until request `request_id` (a prompt of `num_tokens`, waiting) ran its first
     layer segment, with the scheduler's injection budget lowered to the prompt: one layer.
-    The next step, under the configured budget, runs its other layers from layer 1."""
+    The next step, under the configured budget, runs its other layers from layer 1. A
+    configured budget below the prompt is kept (it chunks the prompt to itself, one layer a
+    step already): raised to the prompt, the segment's tokens (fixed at its first layer) would
+    not fit the configured budget afterwards, and the prompt would never be scheduled again."""
     sched = engine.scheduler
     req = sched.requests[request_id]
     configured = sched.cfg
-    sched.cfg = dataclasses.replace(configured, max_inject_tokens=num_tokens)
+    sched.cfg = dataclasses.replace(
+        configured, max_inject_tokens=min(num_tokens, configured.max_inject_tokens))
     try:
         while req.prefill_layer == 0 and req.num_computed_tokens == 0 and \
                 engine.has_unfinished_requests():

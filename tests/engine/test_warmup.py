@@ -7,7 +7,8 @@ import random
 import pytest
 
 from sparseserve import LLM, SamplingParams
-from sparseserve.engine.warmup import continued_prompt_len, warm_up, warmup_prompt_lens
+from sparseserve.engine.warmup import (WARMUP_PREFIX, continued_prompt_len, warm_up,
+                                       warmup_prompt_lens)
 
 PAGE_BYTES = 2 * 3 * 16 * 16 * 4  # K+V, 3 layers, page_size 16, head_dim 16, fp32 (llama-gqa)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
@@ -103,6 +104,35 @@ def test_warm_up_with_two_rows_skips_the_third_phase(model_dir):
     llm = LLM(model_dir, **{**CONFIGS["dense"], "max_num_seqs": 2})
     eng = llm.engine
     assert warm_up(eng) > 0
+    assert not eng.has_unfinished_requests()
+    assert eng.num_free_pages() == eng.num_total_pages()
+    eng.check_invariants()
+
+
+@pytest.mark.parametrize("inject", [8, 1000])
+def test_layer_segmented_warm_up_runs_a_segment_from_layer_1(model_dir, inject):
+    """Under layer-segmented prefill prompt A's first layer runs alone, then a segment from
+    layer 1 (_first_layer_alone); with an injection budget below A (8 < 21 tokens: A chunked
+    to it) too, where raising the budget to A for one step would leave A's segment larger than
+    every later step's budget (never scheduled again). The scheduler's config is restored."""
+    llm = LLM(model_dir, **{**CONFIGS["dense"], "max_inject_tokens": inject})
+    eng = llm.engine
+    cfg = eng.scheduler.cfg
+    segments = []  # prompt A's prefill chunks: (first token, layer_start, layer_end)
+    execute = eng.executor.execute
+
+    def record(out):
+        segments.extend((c.start, c.layer_start, c.layer_end) for c in out.chunks
+                        if not c.is_decode and c.request_id == f"{WARMUP_PREFIX}0")
+        return execute(out)
+
+    eng.executor.execute = record
+    try:
+        assert warm_up(eng) > 0
+    finally:
+        eng.executor.execute = execute
+    assert eng.scheduler.cfg is cfg is eng.config.scheduler
+    assert segments[0] == (0, 0, 1) and segments[1][:2] == (0, 1), segments
     assert not eng.has_unfinished_requests()
     assert eng.num_free_pages() == eng.num_total_pages()
     eng.check_invariants()
