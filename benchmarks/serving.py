@@ -349,8 +349,11 @@ def parse_args(argv=None):
     a.warmup_lens = [int(x) for x in E.split_list(a.warmup_lens)]
     a.rates_of = {name: [float(x) for x in E.split_list(v)]
                   for name, v in per_config(a.rates_of, a.names, "--rates-of", "R1,R2").items()}
-    a.batched_tokens_of = {name: int(v) for name, v in per_config(
-        a.batched_tokens_of, a.names, "--batched-tokens-of", "N").items()}
+    a.batched_tokens_of = per_config(a.batched_tokens_of, a.names, "--batched-tokens-of", "N")
+    for name, v in a.batched_tokens_of.items():  # at parse time, not after the others ran
+        if not v.isdigit() or int(v) < 1:
+            raise SystemExit(f"--batched-tokens-of {name}={v}: N must be an integer >= 1")
+        a.batched_tokens_of[name] = int(v)
     if any(not r > 0 for rs in (a.rates, *a.rates_of.values()) for r in rs):
         raise SystemExit("--rates / --rates-of: every rate must be > 0 (or inf)")
     if a.extend_ladder is not None:

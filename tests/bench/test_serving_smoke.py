@@ -226,7 +226,7 @@ def test_batched_tokens_of_each_configuration():
     assert a.batched_tokens_of == {"sparseserve": 4096}
     assert S.engine_args(a, "sparseserve", "cpu", "float32")["max_num_batched_tokens"] == 4096
     assert S.engine_args(a, "dense", "cpu", "float32")["max_num_batched_tokens"] == 2048
-    for bad in ("sparse=4096", "sparseserve"):
+    for bad in ("sparse=4096", "sparseserve", "sparseserve=0", "sparseserve=4k"):
         with pytest.raises(SystemExit, match="--batched-tokens-of"):
             S.parse_args(["--out", "x.json", "--presets", "dense,sparseserve",
                           "--batched-tokens-of", bad])
