@@ -40,7 +40,9 @@ STREAM_PROGRAMS_PER_SM = 12
 # BAR.SYNC per iteration (each now waits on 2 warps, not 4), 168 registers, no spills, 6
 # programs (12 warps) per SM instead of 4 x 4. Page terms without tl.dot (broadcast-multiply
 # + tl.sum) measured worse offline: Triton's default layouts put those loads' warps off the
-# page axis, and the conversions back cost 11-26 barriers. Not yet timed on a GPU
+# page axis, and the conversions back cost 11-26 barriers. On the H200 at 128k x 16 its score
+# launch took 246.0 us against the stream's 259.8 (sparse.md, twenty-fourth session; measured
+# once: the default stays 3)
 LEAN_WARPS = 2
 LEAN_PROGRAMS_PER_SM = 12  # as the stream's (fewer warps a program: more fit an SM)
 # ... and only for rows of more pages than this: a short row is scored in a few us by one
