@@ -1,9 +1,13 @@
 """``select_pages(..., sparq_kernel=4)`` (``keycode2-sparq@score_kernel=4``): sparq_stream's
 score loop in split programs of ``page_select.LEAN_WARPS`` warps. Against the stream at its 4
 warps (``sparq_kernel=3``) and the torch reference: the same per-head scores to fp32 rounding,
-the same pages, bit for bit on both summary layouts; rows of 1, 17, 97 and 4097 pages in mixed
+the same pages, on both summary layouts (their scores bit for bit interpreted, within a bf16
+rounding step compiled: ``assert_same_across_layouts``); rows of 1, 17, 97 and 4097 pages in mixed
 batches, split (the 2-warp launch) and fused, GQA and MHA, every record kind. On DEVICE
 (compiled on CUDA, interpreted on CPU)."""
+import os
+import sys
+
 import pytest
 import torch
 
@@ -15,6 +19,10 @@ from tests.conftest import DEVICE
 from tests.kernels import to_dev
 from tests.kernels.test_sparq_records import _LAYOUTS, _pair
 from tests.kernels.test_sparq_stream import _select, assert_same_across_layouts, score_tol
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "benchmarks"))
+from sparse_decode_measure import parse_variant  # noqa: E402
 
 LOG2E = 1.4426950408889634
 
@@ -76,12 +84,11 @@ def test_algorithm_knob_selects_kernel4():
     last = to_dev(torch.full((2,), 5, dtype=torch.int32))
     alg.score_kernel = 3
     stream = alg.select_kernel(q, table, num, last, summ, backend="triton")
-    base, _, rest = "keycode2-sparq@score_kernel=4".partition("@")
-    assert isinstance(alg, get_algorithm_class(base))
-    for item in rest.split("+"):
-        key, _, val = item.partition("=")
+    base, variant = parse_variant("keycode2-sparq@score_kernel=4")
+    assert isinstance(alg, get_algorithm_class(base)) and variant == {"score_kernel": 4}
+    for key, val in variant.items():
         assert hasattr(alg, key)
-        setattr(alg, key, int(val))
+        setattr(alg, key, val)
     assert alg.score_kernel == 4
     got = alg.select_kernel(q, table, num, last, summ, backend="triton")
     for a, b in zip(got, stream):
