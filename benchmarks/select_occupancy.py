@@ -14,8 +14,9 @@ kernel compiles to, so the device time goes to the variants worth timing.
   python benchmarks/select_occupancy.py --out /tmp/occ.json --sass-stats \
       --algorithm keycode2-sparq@score_kernel=4    # + the score loop's SASS per page
 
-``--sass-stats`` reads the score loop out of the SASS (the longest span closed by a backward
-branch) and counts its instructions, barriers, shared-memory and global accesses, shuffles and
+``--sass-stats`` reads the score loop of a split score launch out of the SASS (the longest
+span closed by a backward branch; fused launches, whose select phase loops too, are left out)
+and counts its instructions, barriers, shared-memory and global accesses, shuffles and
 mma; per page = per warp and loop iteration / the pages of one iteration (``BLOCK_W``: 16 for
 ``sparq_stream``, score_kernel 3 and 4; 64 for ``sparq_tiles``). Issue slots, not time; the
 barriers (where a program's warps wait for each other's loads) and the shared-memory round
@@ -175,7 +176,10 @@ def compile_launch(cap: dict, num_warps: int | None, maxnreg: int,
                sass_instructions=sass.count(";"), programs_per_sm=per_sm,
                warps_per_sm=per_sm * nw)
     const = {name: spec for name, kind, spec in cap["args"] if kind == "constexpr"}
-    if sass_stats and const.get("DO_SCORE") and const.get("SPARQ", 0) >= 2:
+    # split score launches only: in a fused launch (DO_SELECT too) the longest loop may be the
+    # select phase's, not the score loop
+    if sass_stats and const.get("DO_SCORE") and not const.get("DO_SELECT") \
+            and const.get("SPARQ", 0) >= 2:
         row.update(loop_stats(sass, const["BLOCK_W"], nw))
     return row
 

@@ -185,6 +185,14 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                                       num_warps or NUM_WARPS)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     version = (SPARQ_KERNEL if sparq_kernel is None else sparq_kernel) if sparq else 0
+    if sparq and version not in (1, 2, 3, 4):
+        raise ValueError(f"select_pages: sparq_kernel={version} (or SPARSESERVE_SPARQ_KERNEL) is "
+                         f"not a score phase: pass 1 (sparq_codes), 2 (sparq_tiles), 3 "
+                         f"(sparq_stream) or 4 (sparq_stream in {LEAN_WARPS}-warp programs)")
+    if version == 4 and num_warps not in (None, LEAN_WARPS):
+        warnings.warn(f"select_pages: num_warps={num_warps} (or SPARSESERVE_SELECT_WARPS) "
+                      f"replaces sparq_kernel=4's {LEAN_WARPS} warps per score program: it runs "
+                      f"as sparq_kernel=3 at that width", stacklevel=2)
     if version in (2, 3, 4) and (kscale is None or ps // 16 not in (1, 2, 4)):
         version = 1  # sparq_tiles / sparq_stream: int8 means, 16 to 64 tokens a page
     # whole-record loads: sparq_tiles / _stream with 4-word records (else their strided views)

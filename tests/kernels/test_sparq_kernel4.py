@@ -93,3 +93,14 @@ def test_algorithm_knob_selects_kernel4():
     got = alg.select_kernel(q, table, num, last, summ, backend="triton")
     for a, b in zip(got, stream):
         assert torch.equal(a, b)
+
+
+def test_unknown_score_phase_and_overridden_warps_are_reported():
+    """A sparq_kernel that names no score phase is an error that lists the versions; an
+    explicit num_warps with kernel 4 (which would run it as kernel 3 at that width) warns."""
+    (new, _), q, table, num, ch = _pair([17, 5], 8, 2, 64, 32, torch.bfloat16, 3)
+    v = new[0].views(new[1])
+    with pytest.raises(ValueError, match="sparq_kernel=7.*4 \\(sparq_stream in"):
+        _select(v, q, table, num, ch, 7)
+    with pytest.warns(UserWarning, match="num_warps=4 .* replaces sparq_kernel=4"):
+        _select(v, q, table, num, ch, 4, splits=2, warps=4)
