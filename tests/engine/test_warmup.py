@@ -27,6 +27,21 @@ def prompts():
             for n in (1, 17, 54, 97)]
 
 
+def warm_up_recording(eng, record) -> None:
+    """warm_up(eng) with record(scheduler_output) called before each step executes."""
+    execute = eng.executor.execute
+
+    def recorded(out):
+        record(out)
+        return execute(out)
+
+    eng.executor.execute = recorded
+    try:
+        assert warm_up(eng) > 0
+    finally:
+        eng.executor.execute = execute
+
+
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dirs):
     return tiny_model_dirs["llama-gqa"][0]
@@ -62,18 +77,8 @@ def test_warm_up_leaves_no_trace(model_dir, config):
     eng = llm.engine
     free = eng.num_free_pages()
     chunks = []  # what each step scheduled: (decode rows, prefill chunks)
-    execute = eng.executor.execute
-
-    def record(out):
-        chunks.append((sum(c.is_decode for c in out.chunks),
-                       sum(not c.is_decode for c in out.chunks)))
-        return execute(out)
-
-    eng.executor.execute = record
-    try:
-        assert warm_up(eng) > 0
-    finally:
-        eng.executor.execute = execute
+    warm_up_recording(eng, lambda out: chunks.append((sum(c.is_decode for c in out.chunks),
+                                                      sum(not c.is_decode for c in out.chunks))))
     assert any(d and p for d, p in chunks), chunks  # a hybrid step ran
     # ... and one with two decode rows beside prefill work, and two prompts in one step
     # (Triton specialises integer arguments on == 1: one row does not compile two rows' kernels)
@@ -119,18 +124,9 @@ def test_layer_segmented_warm_up_runs_a_segment_from_layer_1(model_dir, inject):
     eng = llm.engine
     cfg = eng.scheduler.cfg
     segments = []  # prompt A's prefill chunks: (first token, layer_start, layer_end)
-    execute = eng.executor.execute
-
-    def record(out):
-        segments.extend((c.start, c.layer_start, c.layer_end) for c in out.chunks
-                        if not c.is_decode and c.request_id == f"{WARMUP_PREFIX}0")
-        return execute(out)
-
-    eng.executor.execute = record
-    try:
-        assert warm_up(eng) > 0
-    finally:
-        eng.executor.execute = execute
+    warm_up_recording(eng, lambda out: segments.extend(
+        (c.start, c.layer_start, c.layer_end) for c in out.chunks
+        if not c.is_decode and c.request_id == f"{WARMUP_PREFIX}0"))
     assert eng.scheduler.cfg is cfg is eng.config.scheduler
     assert segments[0] == (0, 0, 1) and segments[1][:2] == (0, 1), segments
     assert not eng.has_unfinished_requests()

@@ -15,22 +15,15 @@ from sparseserve.kernels import ref
 from sparseserve.kernels.page_select import LEAN_WARPS
 from sparseserve.sparse import get_algorithm_class
 
-from tests.conftest import DEVICE
 from tests.kernels import to_dev
 from tests.kernels.test_sparq_records import _LAYOUTS, _pair
-from tests.kernels.test_sparq_stream import _select, assert_same_across_layouts, score_tol
+from tests.kernels.test_sparq_stream import _select, check_layouts_and_baseline
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "benchmarks"))
 from sparse_decode_measure import parse_variant  # noqa: E402
 
 LOG2E = 1.4426950408889634
-
-
-def _full(x, num):
-    B, Hkv, _, W = x.shape
-    full = torch.arange(W, device=DEVICE).view(1, 1, 1, W) < (num - 1).view(B, Hkv, 1, 1)
-    return full.expand_as(x)
 
 
 @pytest.mark.parametrize("Hq,Hkv,layout", [(8, 2, n) for n in
@@ -43,20 +36,10 @@ def test_kernel4_equals_stream_and_reference(Hq, Hkv, layout):
     (new, old), q, table, num, ch = _pair([1, 17, 97], Hq, Hkv, 64, ps, dtype,
                                           ps + Hq + dtype.itemsize)
     vn, vo = new[0].views(new[1]), old[0].views(old[1])
-    full = None
     for splits in (3, 1):  # split (the LEAN_WARPS launch) and fused
-        stream_x, stream_sel = _select(vn, q, table, num, ch, 3, splits)
+        stream = _select(vn, q, table, num, ch, 3, splits)
         got = [_select(v, q, table, num, ch, 4, splits) for v in (vn, vo)]
-        # layout-independent (NaN: past the full pages, never written)
-        assert_same_across_layouts(got[0][0], got[1][0], splits)
-        for a, b in zip(got[0][1], got[1][1]):
-            assert torch.equal(a, b)
-        x, sel = got[0]
-        full = _full(x, num)
-        assert x[~full].isnan().all() and not x[full].isnan().any()  # only full pages written
-        torch.testing.assert_close(x[full], stream_x[full], **score_tol())
-        for a, b in zip(sel, stream_sel):  # pages, num_sel, blocks
-            assert torch.equal(a, b), splits
+        x, full = check_layouts_and_baseline(got, stream, num, splits)
     want = ref.sparq_page_bounds(q, vo["kmean"], vo["kscale"], vo["kmin"], vo["kmax"],
                                  vo["codes"], ch, table, num) * (64 ** -0.5 * LOG2E)
     torch.testing.assert_close(x[full], want[full], rtol=2e-2, atol=5e-2)

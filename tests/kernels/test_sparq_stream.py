@@ -47,6 +47,25 @@ def _select(v, q, table, num, ch, kernel, splits=None, warps=None):
     return xs, sel
 
 
+def check_layouts_and_baseline(got, base, num, splits):
+    """got: one score kernel's (scores, selection) on both summary layouts; base: another
+    kernel's on the first. The layouts agree (scores as assert_same_across_layouts, pages
+    exactly); only full pages are written (NaN elsewhere); scores match the baseline to
+    score_tol and its pages exactly. -> (scores, mask of full pages)."""
+    assert_same_across_layouts(got[0][0], got[1][0], splits)
+    for a, b in zip(got[0][1], got[1][1]):
+        assert torch.equal(a, b)
+    x, sel = got[0]
+    B, Hkv, _, W = x.shape
+    full = torch.arange(W, device=x.device).view(1, 1, 1, W) < (num - 1).view(B, Hkv, 1, 1)
+    full = full.expand_as(x)
+    assert x[~full].isnan().all() and not x[full].isnan().any()  # only full pages written
+    torch.testing.assert_close(x[full], base[0][full], **score_tol())
+    for a, b in zip(sel, base[1]):  # pages, num_sel, blocks
+        assert torch.equal(a, b), splits
+    return x, full
+
+
 @pytest.mark.parametrize("Hq,Hkv,layout", [(8, 2, n) for n in
                                            ("bf16-p32", "f16-p32", "bf16-p16",
                                             "f32-p32-strided", "f32-p16",
@@ -56,21 +75,10 @@ def test_stream_equals_tiles_and_reference(Hq, Hkv, layout):
     (new, old), q, table, num, ch = _pair([1, 17, 54, 97], Hq, Hkv, 64, ps, dtype,
                                           ps + Hq + dtype.itemsize)
     vn, vo = new[0].views(new[1]), old[0].views(old[1])
-    B, _, W = table.shape
-    tiles_x, tiles_sel = _select(vn, q, table, num, ch, 2)
-    full = torch.arange(W, device=DEVICE).view(1, 1, 1, W) < (num - 1).view(B, Hkv, 1, 1)
-    full = full.expand_as(tiles_x)
+    tiles = _select(vn, q, table, num, ch, 2)
     for splits in (1, 5):
         got = [_select(v, q, table, num, ch, 3, splits) for v in (vn, vo)]
-        # layout-independent (NaN: the entries past the full pages, never written)
-        assert_same_across_layouts(got[0][0], got[1][0], splits)
-        for a, b in zip(got[0][1], got[1][1]):
-            assert torch.equal(a, b)
-        x, sel = got[0]
-        assert x[~full].isnan().all() and not x[full].isnan().any()  # only full pages written
-        torch.testing.assert_close(x[full], tiles_x[full], **score_tol())
-        for a, b in zip(sel, tiles_sel):  # pages, num_sel, blocks
-            assert torch.equal(a, b), splits
+        x, full = check_layouts_and_baseline(got, tiles, num, splits)
     want = ref.sparq_page_bounds(q, vo["kmean"], vo["kscale"], vo["kmin"], vo["kmax"],
                                  vo["codes"], ch, table, num) * (64 ** -0.5 * LOG2E)
     torch.testing.assert_close(x[full], want[full], rtol=2e-2, atol=5e-2)
