@@ -11,19 +11,17 @@ import sys
 import pytest
 import torch
 
-from sparseserve.kernels import ref
 from sparseserve.kernels.page_select import LEAN_WARPS
 from sparseserve.sparse import get_algorithm_class
 
 from tests.kernels import to_dev
 from tests.kernels.test_sparq_records import _LAYOUTS, _pair
-from tests.kernels.test_sparq_stream import _select, check_layouts_and_baseline
+from tests.kernels.test_sparq_stream import (_select, assert_matches_reference,
+                                             check_layouts_and_baseline)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "benchmarks"))
 from sparse_decode_measure import parse_variant  # noqa: E402
-
-LOG2E = 1.4426950408889634
 
 
 @pytest.mark.parametrize("Hq,Hkv,layout", [(8, 2, n) for n in
@@ -40,9 +38,7 @@ def test_kernel4_equals_stream_and_reference(Hq, Hkv, layout):
         stream = _select(vn, q, table, num, ch, 3, splits)
         got = [_select(v, q, table, num, ch, 4, splits) for v in (vn, vo)]
         x, full = check_layouts_and_baseline(got, stream, num, splits)
-    want = ref.sparq_page_bounds(q, vo["kmean"], vo["kscale"], vo["kmin"], vo["kmax"],
-                                 vo["codes"], ch, table, num) * (64 ** -0.5 * LOG2E)
-    torch.testing.assert_close(x[full], want[full], rtol=2e-2, atol=5e-2)
+    assert_matches_reference(x, full, q, vo, ch, table, num)
 
 
 def test_kernel4_wide_row():

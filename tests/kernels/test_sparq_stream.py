@@ -47,6 +47,14 @@ def _select(v, q, table, num, ch, kernel, splits=None, warps=None):
     return xs, sel
 
 
+def assert_matches_reference(x, full, q, v, ch, table, num) -> None:
+    """Scores x of the full pages against the torch reference on summaries v (first layout's
+    views), in the kernels' log2 units (head_dim 64)."""
+    want = ref.sparq_page_bounds(q, v["kmean"], v["kscale"], v["kmin"], v["kmax"], v["codes"],
+                                 ch, table, num) * (64 ** -0.5 * LOG2E)
+    torch.testing.assert_close(x[full], want[full], rtol=2e-2, atol=5e-2)
+
+
 def check_layouts_and_baseline(got, base, num, splits):
     """got: one score kernel's (scores, selection) on both summary layouts; base: another
     kernel's on the first. The layouts agree (scores as assert_same_across_layouts, pages
@@ -79,9 +87,7 @@ def test_stream_equals_tiles_and_reference(Hq, Hkv, layout):
     for splits in (1, 5):
         got = [_select(v, q, table, num, ch, 3, splits) for v in (vn, vo)]
         x, full = check_layouts_and_baseline(got, tiles, num, splits)
-    want = ref.sparq_page_bounds(q, vo["kmean"], vo["kscale"], vo["kmin"], vo["kmax"],
-                                 vo["codes"], ch, table, num) * (64 ** -0.5 * LOG2E)
-    torch.testing.assert_close(x[full], want[full], rtol=2e-2, atol=5e-2)
+    assert_matches_reference(x, full, q, vo, ch, table, num)
 
 
 def test_stream_wide_row_and_warps():
