@@ -225,6 +225,20 @@ def goodput_quality(points: list[dict], rate, dense_points: list[dict], dense_ra
             (True, False): "upper bound", (False, False): "undetermined"}[(mine, dense)]
 
 
+def _goodput_text(result: dict, name: str, c: dict) -> str:
+    """The comparison line's goodput part: the ratio with its quality, range and interpolation,
+    or which configuration met the SLOs at none of its rates (no ratio)."""
+    if c.get("goodput_x") is None:
+        none = [n for n in (name, "dense") if result["presets"][n].get("goodput_rate") is None]
+        if none:
+            return f"goodput: no ratio ({' and '.join(none)} met the SLOs at none of its rates)"
+        return "goodput: no ratio (an `inf` goodput)"
+    return (f"goodput {_x(c['goodput_x'])}x ({c.get('goodput_quality')}"
+            f"{_range(c.get('goodput_x_range'))}"
+            + (f"; ~{c['goodput_x_interpolated']:.2f}x interpolating each SLO metric to its "
+               "limit between the rungs" if c.get("goodput_x_interpolated") else "") + ")")
+
+
 def _x(v, digits: int = 2) -> str:
     return "" if v is None else f"{v:.{digits}f}"
 
@@ -264,16 +278,16 @@ def table(result: dict) -> str:
         out += "\n* cut at the point's time cap: out tok/s counts the cut requests' tokens, " \
                "TTFT is a lower bound"
     for name, c in (result.get("comparison") or {}).items():
+        if c["ttft_x_lower_best"] is None:
+            ttft = "mean TTFT: no rate run by both"
+        else:
+            ttft = (f"mean TTFT {_x(c['ttft_x_lower_best'])}x lower at rate "
+                    f"{c['ttft_x_lower_best_rate']} ({c['ttft_x_lower_best_quality']}; target >= "
+                    f"{TARGETS['ttft_x_lower']}x: {_met(c['ttft_target_met'])}), "
+                    f"{_x(c['ttft_x_lower_at_highest_rate'])}x at the highest rate")
         out += (f"\n{name} vs dense: saturation throughput {_x(c['saturation_throughput_x'])}x "
                 f"(target >= {TARGETS['throughput_x']}x: {_met(c['throughput_target_met'])}); "
-                f"mean TTFT {_x(c['ttft_x_lower_best'])}x lower at rate "
-                f"{c['ttft_x_lower_best_rate']} ({c['ttft_x_lower_best_quality']}; target >= "
-                f"{TARGETS['ttft_x_lower']}x: {_met(c['ttft_target_met'])}), "
-                f"{_x(c['ttft_x_lower_at_highest_rate'])}x at the highest rate; goodput "
-                f"{_x(c.get('goodput_x'))}x ({c.get('goodput_quality')}"
-                f"{_range(c.get('goodput_x_range'))}"
-                + (f"; ~{c['goodput_x_interpolated']:.2f}x interpolating each SLO metric to its "
-                   "limit between the rungs" if c.get("goodput_x_interpolated") else "") + ")")
+                f"{ttft}; {_goodput_text(result, name, c)}")
     if result.get("errors"):
         out += "\nerrors: " + "; ".join(f"{e['part']}: {e['error'][:120]}" for e in result["errors"])
     return out

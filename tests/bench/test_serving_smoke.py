@@ -343,3 +343,14 @@ def test_ladder_figure_merges_runs(tmp_path):
     assert R.compare(m)["sparseserve"]["goodput_x"] == pytest.approx(4.0)
     with pytest.raises(SystemExit, match="fewer than two rungs"):
         R.main([files[0], "--ladder-figure", str(tmp_path / "x.png")])
+
+
+def test_comparison_line_says_why_there_is_no_goodput_ratio():
+    """The report's goodput part names the configuration that met the SLOs at none of its
+    rates instead of printing an empty ratio; with both goodputs it prints the ratio."""
+    result = {"presets": {"dense": {"goodput_rate": None}, "sparseserve": {"goodput_rate": 7.0}}}
+    assert R._goodput_text(result, "sparseserve", {"goodput_x": None}) == \
+        "goodput: no ratio (dense met the SLOs at none of its rates)"
+    result["presets"]["dense"]["goodput_rate"] = 3.5
+    text = R._goodput_text(result, "sparseserve", {"goodput_x": 2.0, "goodput_quality": "exact"})
+    assert text == "goodput 2.00x (exact)"
