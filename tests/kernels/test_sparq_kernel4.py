@@ -5,8 +5,8 @@ the same pages, on both summary layouts (their scores bit for bit interpreted, w
 rounding step compiled: ``assert_same_across_layouts``); rows of 1, 17, 97 and 4097 pages in mixed
 batches, split (the 2-warp launch) and fused, GQA and MHA, every record kind. On DEVICE
 (compiled on CUDA, interpreted on CPU)."""
+import importlib
 import os
-import sys
 
 import pytest
 import torch
@@ -19,9 +19,8 @@ from tests.kernels.test_sparq_records import _LAYOUTS, _pair
 from tests.kernels.test_sparq_stream import (_select, assert_matches_reference,
                                              check_layouts_and_baseline)
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "benchmarks"))
-from sparse_decode_measure import parse_variant  # noqa: E402
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "benchmarks")
 
 
 @pytest.mark.parametrize("Hq,Hkv,layout", [(8, 2, n) for n in
@@ -55,7 +54,7 @@ def test_kernel4_wide_row():
                                    atol=1e-5)
 
 
-def test_algorithm_knob_selects_kernel4():
+def test_algorithm_knob_selects_kernel4(monkeypatch):
     """``keycode2-sparq@score_kernel=4`` as ``benchmarks/sparse_decode.py`` applies it (the
     variant's key=value set as a class attribute) picks this launch: the stream's pages."""
     (new, _), q, table, num, _ = _pair([97, 54], 8, 2, 64, 32, torch.bfloat16, 3)
@@ -63,6 +62,10 @@ def test_algorithm_knob_selects_kernel4():
     last = to_dev(torch.full((2,), 5, dtype=torch.int32))
     alg.score_kernel = 3
     stream = alg.select_kernel(q, table, num, last, summ, backend="triton")
+    # the benchmark's own parser, imported here (not at collection: every xdist worker
+    # imports each test module, and this one should not put benchmarks/ on their paths)
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    parse_variant = importlib.import_module("sparse_decode_measure").parse_variant
     base, variant = parse_variant("keycode2-sparq@score_kernel=4")
     assert isinstance(alg, get_algorithm_class(base)) and variant == {"score_kernel": 4}
     for key, val in variant.items():
