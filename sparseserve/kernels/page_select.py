@@ -44,7 +44,6 @@ STREAM_PROGRAMS_PER_SM = 12
 # launch took 246.0 us against the stream's 259.8 (sparse.md, twenty-fourth session; measured
 # once: the default stays 3)
 LEAN_WARPS = 2
-LEAN_PROGRAMS_PER_SM = 12  # as the stream's (fewer warps a program: more fit an SM)
 # ... and only for rows of more pages than this: a short row is scored in a few us by one
 # program, less than the split mode's second launch (light8 profile, fifteenth session: 2
 # launches of ~9 us per layer at 160-page rows). In pages, not chunks: chunks are 16 to 64
@@ -211,8 +210,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     chunks = triton.cdiv(W, block_w)
     splits = num_splits or _default_splits(
         q, B * Hkv, chunks, block_w,
-        STREAM_PROGRAMS_PER_SM if version == 3 else LEAN_PROGRAMS_PER_SM if version == 4
-        else SPLIT_PROGRAMS_PER_SM)
+        STREAM_PROGRAMS_PER_SM if version in (3, 4) else SPLIT_PROGRAMS_PER_SM)
     splits = max(1, min(splits, chunks, MAX_SPLITS))
     cps = triton.cdiv(chunks, splits)
     splits = triton.cdiv(chunks, cps)
