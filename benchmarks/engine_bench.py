@@ -40,6 +40,19 @@ def parse_parts(text: str, parts: Sequence[str]) -> list[str]:
     return chosen
 
 
+def per_config(items: list[str], names: list[str], flag: str, what: str) -> dict[str, str]:
+    """`NAME=VALUE` options of one configuration each -> {NAME: VALUE}; SystemExit when NAME is
+    not a configuration of this run."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in names:
+            raise SystemExit(f"{flag} {item!r}: expected NAME={what} with NAME one of the "
+                             f"configurations run ({', '.join(names)})")
+        out[name] = value
+    return out
+
+
 def device_and_dtype(args) -> tuple[str, str]:
     """--device (default: cuda if present, cpu with --smoke) and its dtype (bf16 on cuda)."""
     import torch

@@ -283,19 +283,6 @@ def add_workload_args(p) -> None:
     p.add_argument("--token-budget", type=int, default=2048)
 
 
-def per_config(items: list[str], names: list[str], flag: str, what: str) -> dict[str, str]:
-    """`NAME=VALUE` options of one configuration each -> {NAME: VALUE}; SystemExit when NAME is
-    not a configuration of this run."""
-    out = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or name not in names:
-            raise SystemExit(f"{flag} {item!r}: expected NAME={what} with NAME one of the "
-                             f"configurations run ({', '.join(names)})")
-        out[name] = value
-    return out
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     E.add_run_args(p, "JSON result path (the figure goes next to it, .png)", list(CONFIGS))
@@ -348,8 +335,8 @@ def parse_args(argv=None):
         a.warmup_lens, a.warmup_max_tokens, a.min_point_s = "100,300", 4, 0.0
     a.warmup_lens = [int(x) for x in E.split_list(a.warmup_lens)]
     a.rates_of = {name: [float(x) for x in E.split_list(v)]
-                  for name, v in per_config(a.rates_of, a.names, "--rates-of", "R1,R2").items()}
-    a.batched_tokens_of = per_config(a.batched_tokens_of, a.names, "--batched-tokens-of", "N")
+                  for name, v in E.per_config(a.rates_of, a.names, "--rates-of", "R1,R2").items()}
+    a.batched_tokens_of = E.per_config(a.batched_tokens_of, a.names, "--batched-tokens-of", "N")
     for name, v in a.batched_tokens_of.items():  # at parse time, not after the others ran
         if not v.isdigit() or int(v) < 1:
             raise SystemExit(f"--batched-tokens-of {name}={v}: N must be an integer >= 1")
