@@ -58,7 +58,8 @@ def chunk_flops(mc, start: int, tokens: int, sampled_rows: int) -> float:
 
 
 def run_context(model: str, context: int, rows: int, a, device: str, dtype: str,
-                preset: str = "dense", mode: str = "FULL_DECODE_ONLY") -> dict:
+                preset: str = "dense", mode: str = "FULL_DECODE_ONLY",
+                d2h_method: str | None = None) -> dict:
     import numpy as np
     import torch
 
@@ -68,12 +69,15 @@ def run_context(model: str, context: int, rows: int, a, device: str, dtype: str,
     extra = {}
     if preset != "dense":
         extra = dict(kv_offloading_size=a.host_gib, token_budget=a.token_budget)
+        if d2h_method:
+            extra["d2h_method"] = d2h_method
     llm = LLM(model, load_format="dummy", dtype=dtype, device=device, preset=preset,
               max_model_len=context + 64, max_num_seqs=max(rows + 1, 2),
               max_num_batched_tokens=a.chunk + rows, kv_cache_memory_bytes=int(a.kv_gib * GiB),
               cudagraph_mode=mode, **extra)
     eng = llm.engine
     mc = eng.config.model
+    d2h = eng.config.cache.d2h_method if eng.config.cache.kv_offload else None
     rng = np.random.default_rng(a.seed)
     vocab = mc.vocab_size
     sched = eng.scheduler
@@ -114,14 +118,14 @@ def run_context(model: str, context: int, rows: int, a, device: str, dtype: str,
                                          a.profile)
             profiles = [dict(p, python=py) for p, py in zip(profiles, python)]
     eng.shutdown()
-    eng.shutdown()
     del llm, eng, sched
     # the next engine must not start beside this one's HBM (the H200 run warned: 110.65 GiB
     # held against a 57.29 GiB plan with only torch.cuda.empty_cache() here)
     C.free_device_memory()
     body = [s for s in steps if s["prompt"] == 1]
     wall = sum(s["wall_ms"] for s in body)
-    return {"preset": preset, "cudagraph_mode": mode, "context": context, "decode_rows": rows,
+    return {"preset": preset, "d2h_method": d2h, "cudagraph_mode": mode, "context": context,
+            "decode_rows": rows,
             "chunk": a.chunk, "steps": steps,
             "mean_mfu": sum(s["mfu"] * s["wall_ms"] for s in body) / wall,
             "mean_tflops": sum(s["tflops"] * s["wall_ms"] for s in body) / wall,
@@ -131,7 +135,9 @@ def run_context(model: str, context: int, rows: int, a, device: str, dtype: str,
 
 def profile_prompt(eng, prompt: list[int], top: int) -> list[dict]:
     """Prefill `prompt` with every step under torch.profiler: per step, the host ops with the
-    most self CPU time (what the host share is made of) and the calls that wait for the device."""
+    most self CPU time (what the host share is made of), the calls that wait for the device,
+    and the kernels with the most device time (`device_ms`: their sum over every stream, so
+    a side stream's saves count though they may overlap compute)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -150,7 +156,13 @@ def profile_prompt(eng, prompt: list[int], top: int) -> list[dict]:
         waits = {e.key: {"count": e.count, "cpu_ms": e.self_cpu_time_total / 1e3}
                  for e in ev if "Synchronize" in e.key or e.key in ("aten::item",
                  "aten::_local_scalar_dense", "cudaMemcpy", "cudaMemcpyAsync")}
-        out.append({"launches": sum(e.count for e in ev if e.key in (
+        dev = sorted((e for e in ev if getattr(e, "self_device_time_total", 0) > 0),
+                     key=lambda e: -e.self_device_time_total)
+        out.append({"device_ms": sum(e.self_device_time_total for e in dev) / 1e3,
+                    "top_device": [{"op": e.key, "count": e.count,
+                                    "self_device_ms": e.self_device_time_total / 1e3}
+                                   for e in dev[:top]],
+                    "launches": sum(e.count for e in ev if e.key in (
                         "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                         "cudaLaunchKernelExC")),
                     "graph_launches": sum(e.count for e in ev if e.key == "cudaGraphLaunch"),
@@ -208,6 +220,9 @@ def main(argv=None) -> int:
     p.add_argument("--cudagraph-modes", default="FULL_DECODE_ONLY",
                    help="comma list of FULL_DECODE_ONLY, FULL_AND_PIECEWISE (A/B in one run)")
     p.add_argument("--host-gib", type=float, default=16, help="host tier (two-tier presets)")
+    p.add_argument("--d2h-methods", default="",
+                   help="comma list of save methods the two-tier presets run with, side by side "
+                        "(gpu-direct, copy-engine, ...; empty: the preset's)")
     p.add_argument("--token-budget", type=int, default=2048, help="sparse presets")
     p.add_argument("--peak-tflops", type=float, default=790.0,
                    help="the bf16 matmul rate MFU is relative to (measured on the H200)")
@@ -232,15 +247,18 @@ def main(argv=None) -> int:
     if a.smoke:
         a.host_gib = 0.05
     for preset in a.presets.split(","):
+        saves = [m or None for m in a.d2h_methods.split(",")] if preset != "dense" else [None]
         for ctx in contexts:
             for rows in row_counts:
                 for mode in a.cudagraph_modes.split(","):  # modes side by side
-                    res["runs"].append(run_context(model, ctx, rows, a, device, dtype,
-                                                   preset, mode))
-                    C.write_json(a.out, res)
-    print(C.table(["preset", "graphs", "context", "decode rows", "chunk", "step ms", "TFLOP/s",
+                    for d2h in saves:
+                        res["runs"].append(run_context(model, ctx, rows, a, device, dtype,
+                                                       preset, mode, d2h))
+                        C.write_json(a.out, res)
+    print(C.table(["preset", "saves", "graphs", "context", "decode rows", "chunk", "step ms", "TFLOP/s",
                    "MFU", "host share"],
-                  [[r["preset"], r["cudagraph_mode"], r["context"], r["decode_rows"], r["chunk"],
+                  [[r["preset"], r["d2h_method"] or "-", r["cudagraph_mode"], r["context"],
+                    r["decode_rows"], r["chunk"],
                     C.fmt(r["mean_step_ms"]),
                     C.fmt(r["mean_tflops"]), f"{100 * r['mean_mfu']:.1f} %",
                     f"{100 * r['host_share']:.1f} %"] for r in res["runs"]]))

@@ -44,6 +44,9 @@ def test_prefill_mfu_smoke(tmp_path):
         # one profile per step of the profiled prompt, each with its top host ops
         assert len(run["profiles"]) == len(steps)
         assert all(0 < len(p["top_self_cpu"]) <= 5 for p in run["profiles"])
+        # no CUDA kernels on the CPU: the device breakdown is empty, not made up
+        assert all(p["device_ms"] == 0 and p["top_device"] == [] for p in run["profiles"])
+        assert run["d2h_method"] is None  # dense: no saves
         # and its Python functions (cProfile): the step itself is among the cumulative top
         for p in run["profiles"]:
             py = p["python"]
@@ -55,3 +58,18 @@ def test_prefill_mfu_smoke(tmp_path):
             assert 0 < s["tokens"] <= run["chunk"] and 0 < s["host_ms"] <= s["wall_ms"] * 1.01
             assert abs(s["mfu"] * 790e12 - s["tflops"] * 1e12) < 1e-6 * s["tflops"] * 1e12
     assert "host share" in proc.stdout
+
+
+def test_prefill_mfu_save_methods(tmp_path):
+    """--d2h-methods runs the two-tier preset once per save method, and says which ran."""
+    out = tmp_path / "mfu.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "prefill_mfu.py"),
+                           "--smoke", "--out", str(out), "--presets", "sparseserve",
+                           "--d2h-methods", "copy-engine,gpu-direct"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["decode_rows"], r["d2h_method"]) for r in runs] == [
+        (0, "copy-engine"), (0, "gpu-direct"), (2, "copy-engine"), (2, "gpu-direct")]
+    for run in runs:  # every prompt token prefilled, by layer segments
+        assert sum(s["tokens"] for s in run["steps"] if s["prompt"] == 1) == 300
