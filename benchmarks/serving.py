@@ -72,6 +72,8 @@ def engine_args(a, name: str, device: str, dtype: str) -> dict:
               kv_cache_memory_bytes=int(a.kv_cache_gib * GiB))
     if preset != "dense":
         kw["token_budget"] = a.token_budget
+    if a.async_scheduling:
+        kw["async_scheduling"] = True
     kw.update(overrides)
     if preset in ("sparse-offload", "sparseserve"):
         kw["kv_offloading_size"] = a.host_gib
@@ -300,6 +302,9 @@ def parse_args(argv=None):
     p.add_argument("--batched-tokens-of", action="append", default=[], metavar="NAME=N",
                    help="--max-num-batched-tokens of one configuration (repeatable): each engine "
                         "at the step budget it serves best, e.g. sparseserve=4096")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="every configuration launches step N + 1 before reading step N's tokens "
+                        "(the engine's --async-scheduling; off: vLLM's default)")
     p.add_argument("--num-prompts", type=int, default=24)
     add_workload_args(p)
     p.add_argument("--tbt-slo-ms", type=float, default=None,

@@ -217,6 +217,15 @@ def test_rates_of_each_configuration(tmp_path):
     assert r["presets"]["dense"]["engine_args"]["max_num_batched_tokens"] == 128
 
 
+def test_async_scheduling_reaches_every_configuration():
+    """--async-scheduling is an engine argument of every configuration (both sides of a
+    comparison), and absent without the flag (the engine's default, synchronous)."""
+    for flag, want in (([], None), (["--async-scheduling"], True)):
+        a = S.parse_args(["--out", "x.json", "--presets", "dense,sparseserve", *flag])
+        for name in ("dense", "sparseserve"):
+            assert S.engine_args(a, name, "cpu", "float32").get("async_scheduling") is want
+
+
 def test_batched_tokens_of_each_configuration():
     """--batched-tokens-of NAME=N sets one configuration's --max-num-batched-tokens; the others
     keep the common one; a name not run is an error that says what to pass."""
