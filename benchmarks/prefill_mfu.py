@@ -111,7 +111,12 @@ def run_context(model: str, context: int, rows: int, a, device: str, dtype: str,
             if rid not in sched.requests:
                 break
         if repeat == 0 and a.profile:  # one more prompt between the two, every step profiled
-            profiles = profile_prompt(eng, rng.integers(10, vocab, context).tolist(), a.profile)
+            trace = None
+            if a.trace_dir:
+                os.makedirs(a.trace_dir, exist_ok=True)
+                trace = os.path.join(a.trace_dir, f"{preset}_{d2h or 'resident'}_{context}_{rows}")
+            profiles = profile_prompt(eng, rng.integers(10, vocab, context).tolist(), a.profile,
+                                      trace)
             # and one under cProfile: the Python functions the host time is spent in (the
             # torch profiler sees ops, not the Python around them)
             python = host_profile_prompt(eng, rng.integers(10, vocab, context).tolist(),
@@ -133,12 +138,15 @@ def run_context(model: str, context: int, rows: int, a, device: str, dtype: str,
             "host_share": sum(s["host_ms"] for s in body) / wall, "profiles": profiles}
 
 
-def profile_prompt(eng, prompt: list[int], top: int) -> list[dict]:
+def profile_prompt(eng, prompt: list[int], top: int, trace: str | None = None) -> list[dict]:
     """Prefill `prompt` with every step under torch.profiler: per step, the host ops with the
     most self CPU time (what the host share is made of), the calls that wait for the device,
-    and the kernels with the most device time (`device_ms`: their sum over every stream, so
-    a side stream's saves count though they may overlap compute)."""
+    the kernels with the most device time (`device_ms`: their sum over every stream, so a side
+    stream's saves count though they may overlap compute) and the copies by input shape.
+    `trace`: a path prefix; each step's Chrome trace is written to `{trace}_step{i}.json`
+    (benchmarks/trace_gaps.py reads where the compute stream idles)."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from sparseserve import SamplingParams
@@ -148,20 +156,28 @@ def profile_prompt(eng, prompt: list[int], top: int) -> list[dict]:
                     SamplingParams(max_tokens=1, ignore_eos=True))
     out = []
     while "profiled" in eng.scheduler.requests:
-        with profile(activities=acts) as prof:
+        with profile(activities=acts, record_shapes=True) as prof:
             eng.step()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+        if trace:
+            prof.export_chrome_trace(f"{trace}_step{len(out)}.json")
         ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        copies = sorted((e for e in prof.key_averages(group_by_input_shape=True)
+                         if e.key == "aten::copy_"), key=lambda e: -e.self_device_time_total)
         waits = {e.key: {"count": e.count, "cpu_ms": e.self_cpu_time_total / 1e3}
                  for e in ev if "Synchronize" in e.key or e.key in ("aten::item",
                  "aten::_local_scalar_dense", "cudaMemcpy", "cudaMemcpyAsync")}
-        dev = sorted((e for e in ev if getattr(e, "self_device_time_total", 0) > 0),
+        # kernels only: an op's row repeats its kernels' time (aten::mm and its GEMMs)
+        dev = sorted((e for e in ev if e.device_type == DeviceType.CUDA),
                      key=lambda e: -e.self_device_time_total)
         out.append({"device_ms": sum(e.self_device_time_total for e in dev) / 1e3,
                     "top_device": [{"op": e.key, "count": e.count,
                                     "self_device_ms": e.self_device_time_total / 1e3}
                                    for e in dev[:top]],
+                    "top_copies": [{"shapes": str(e.input_shapes), "count": e.count,
+                                    "device_ms": e.self_device_time_total / 1e3}
+                                   for e in copies[:top]],
                     "launches": sum(e.count for e in ev if e.key in (
                         "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                         "cudaLaunchKernelExC")),
@@ -231,6 +247,8 @@ def main(argv=None) -> int:
                    help="also prefill two more prompts, under torch.profiler and cProfile, and keep "
                         "each step's TOP host ops by self CPU time and TOP Python functions "
                         "(where the host share goes)")
+    p.add_argument("--trace-dir", default=None,
+                   help="with --profile: write each profiled step's Chrome trace here")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     a = p.parse_args(argv)
     contexts = [int(x) for x in a.contexts.split(",")]
