@@ -26,6 +26,7 @@ from sparseserve.worker.cuda_graphs import capture_runner_graphs
 from sparseserve.worker.forward_context import ForwardContext, KVCacheTensors, PrefillSeq
 from sparseserve.worker.host_copy import to_device
 from sparseserve.worker.offload_cache import TwoTierCache
+from sparseserve.worker.step_arrays import step_token_arrays
 from sparseserve.worker.offload_context import OffloadForwardContext
 from sparseserve.worker.page_directory import PageDirectory
 from sparseserve.worker.pending_step import PendingStep, RunnerOutput, fill_pending_tokens
@@ -182,16 +183,10 @@ class ModelRunner(SamplingStep):
             return RunnerOutput()
         self._feed_penalties(chunks)
 
-        ids, pos, rows, offsets = [], [], [], []
-        n = 0
-        for c in chunks:
-            ids.extend(c.token_ids)
-            pos.extend(range(c.start, c.start + c.num_tokens))
-            rows.extend([c.row] * c.num_tokens)
-            offsets.append(n)
-            n += c.num_tokens
+        ids, pos, rows, offsets = step_token_arrays(chunks)
+        n = len(ids)
         dev = self.device
-        self._np_pos, self._np_rows = np.asarray(pos), np.asarray(rows)
+        self._np_pos, self._np_rows = pos, rows
         input_ids = to_device(ids, torch.long, dev)
         self.num_pending_inputs += fill_pending_tokens(input_ids, chunks, offsets,
                                                        self._last_tokens, self._last_index)

@@ -1,0 +1,36 @@
+"""The per-token host arrays of a step (token ids, positions, rows), built with numpy.
+
+A layer-segmented prompt is a chunk of its whole length at every step until its last layer
+(a 57k-token prompt run two layers a step is a 57k-token chunk sixteen times), so these arrays
+reach tens of thousands of tokens. Built as Python lists and turned into tensors with
+`torch.tensor(list)` they took ~15 ms of host time at 57k tokens on the H100's host, before the
+step's first kernel — idle GPU time in every such step (docs/results/engine.md, twenty-fifth
+session); `np.arange` / `np.repeat` and one `np.fromiter` over the ids take ~1 ms.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+import numpy as np
+
+from sparseserve.engine.sched_output import ScheduledChunk
+
+
+def step_token_arrays(chunks: Sequence[ScheduledChunk]
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+    """-> (ids int64 [T], positions int64 [T], rows int64 [T], offsets: the first token of
+    each chunk in them, Python ints), T = the chunks' tokens in order. A chunk's positions are
+    [start, start + num_tokens); its rows are its batch row."""
+    counts = [c.num_tokens for c in chunks]
+    total = sum(counts)
+    offsets = list(itertools.accumulate(counts[:-1], initial=0)) if counts else []
+    ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64,
+                      total)
+    if not chunks:
+        empty = np.empty(0, np.int64)
+        return ids, empty, empty.copy(), offsets
+    pos = np.concatenate([np.arange(c.start, c.start + n, dtype=np.int64)
+                          for c, n in zip(chunks, counts)])
+    rows = np.repeat(np.fromiter((c.row for c in chunks), np.int64, len(chunks)), counts)
+    return ids, pos, rows, offsets
