@@ -5,7 +5,8 @@ A layer-segmented prompt is a chunk of its whole length at every step until its 
 reach tens of thousands of tokens. Built as Python lists and turned into tensors with
 `torch.tensor(list)` they took ~15 ms of host time at 57k tokens on the H100's host, before the
 step's first kernel — idle GPU time in every such step (docs/results/engine.md, twenty-fifth
-session); `np.arange` / `np.repeat` and one `np.fromiter` over the ids take ~1 ms.
+session); `np.arange` / `np.repeat` and one `np.fromiter` over the ids take ~2 ms on the
+2-core CPU machine where the lists took ~26.
 """
 from __future__ import annotations
 
