@@ -47,15 +47,26 @@ class SharedText:
         self.seq_lens = seq_lens.long()
         self._cache = None
 
+    @property
+    def written(self) -> int:
+        """Tokens of the text stored when the current rows attend: those before the furthest
+        row's position (each row stores its own K/V before attention), at most the text."""
+        if self.seq_lens is None or self.seq_lens.numel() == 0:
+            return self.num_tokens
+        return min(self.num_tokens, int(self.seq_lens.max()))
+
     def _text(self, cache: torch.Tensor) -> torch.Tensor:
-        """[Hkv, nb * ps, D] fp32: the text's K or V in token order, zeros past its last token
-        (the last page's unwritten slots hold whatever the allocator left — NaN at times —
-        and a masked logit's zero weight times NaN in V would still be NaN)."""
+        """[Hkv, nb * ps, D] fp32: the text's K or V in token order, zeros past the last token
+        the current rows attend (slots not written yet hold whatever the allocator left — NaN
+        at times — and a masked logit's zero weight times NaN in V would still be NaN). Not
+        only the last page's tail: in the first pass over a text, a chunk's rows run before
+        the later chunks' tail tokens are stored (the CPU KV cache is torch.empty, so their
+        slots hold a freed tensor's bytes when an earlier test left NaN in the heap)."""
         d = cache.shape[-1]
         pages = cache[self.base:self.base + self.nb * self.hkv].view(self.nb, self.hkv, self.ps, d)
         text = pages.transpose(0, 1).reshape(self.hkv, self.nb * self.ps, d).float()
         tok = torch.arange(self.nb * self.ps, device=text.device).view(1, -1, 1)
-        return torch.where(tok < self.num_tokens, text, 0.0)
+        return torch.where(tok < self.written, text, 0.0)
 
     def _scores(self, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale * q·K [B, Hkv, G, N], causal softmax of it), cached per layer and query."""

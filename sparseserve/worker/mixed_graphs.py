@@ -62,8 +62,11 @@ class _GraphAttention:
         d = k.shape[-1]
         k_cache.view(-1, d).index_copy_(0, self.store_rows, k.reshape(-1, d))
         v_cache.view(-1, d).index_copy_(0, self.store_rows, v.reshape(-1, d))
-        # row b is where unused decode lanes write; padding rows stay unset (nothing reads them)
-        out = torch.empty((b + 1,) + q.shape[1:], dtype=q.dtype, device=q.device)
+        # row b is where unused decode lanes write. Zeros, not empty: padding rows get no
+        # attention output, and left unset they would carry whatever the allocator held (NaN
+        # at times) into the next layer, whose K/V for them land in the scratch slot that the
+        # unused decode lanes read -- in the capture state a lane writes row 0, the sampled row
+        out = torch.zeros((b + 1,) + q.shape[1:], dtype=q.dtype, device=q.device)
         dec = paged_decode_attention(q[g.dec_gather], k_cache, v_cache, self.dec_table,
                                      self.dec_num_pages, self.dec_last_len, g.scale)
         out.index_copy_(0, g.dec_scatter, dec)

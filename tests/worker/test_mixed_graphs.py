@@ -121,3 +121,26 @@ def test_capture_state_runs_every_bucket(tiny_model_dirs):
         for b in mixed.buckets:
             mixed._forward(b)
             assert torch.isfinite(mixed.logits).all()
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the CPU run of the capture state (see "
+                    "test_capture_state_runs_every_bucket)")
+def test_capture_state_ignores_what_the_allocator_left(tiny_model_dirs, monkeypatch):
+    """As test_capture_state_runs_every_bucket, with every torch.empty of the forward full of
+    NaN (what a reused heap block held when an earlier test in the process freed NaN-filled
+    tensors): no row that is read may come from memory nothing wrote. The padding rows' K/V
+    land in the scratch slot that the unused decode lanes read (in the capture state: row 0,
+    the sampled row)."""
+    path, _ = tiny_model_dirs["llama-gqa"]
+    llm = LLM(path, device="cpu", dtype="float32", page_size=16, max_model_len=256,
+              max_num_seqs=4, max_num_batched_tokens=BUDGET, kv_cache_memory_bytes=1 << 24)
+    runner = llm.engine.runner
+    runner.model.fused_ops = True
+    mixed = MixedStepGraphs(runner, token_buckets(BUDGET), 4, capture=False)
+    mixed.capture()
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    with torch.inference_mode():
+        for b in mixed.buckets:
+            mixed._forward(b)
+            assert torch.isfinite(mixed.logits).all(), f"bucket {b}"
