@@ -114,7 +114,8 @@ def run_context(model: str, context: int, rows: int, a, device: str, dtype: str,
             trace = None
             if a.trace_dir:
                 os.makedirs(a.trace_dir, exist_ok=True)
-                trace = os.path.join(a.trace_dir, f"{preset}_{d2h or 'resident'}_{context}_{rows}")
+                trace = os.path.join(a.trace_dir,
+                                     f"{preset}_{d2h or 'resident'}_{mode}_{context}_{rows}")
             profiles = profile_prompt(eng, rng.integers(10, vocab, context).tolist(), a.profile,
                                       trace)
             # and one under cProfile: the Python functions the host time is spent in (the

@@ -2,8 +2,9 @@
 and list the gaps of the busiest stream, each with why it idled.
 
 For every gap longer than `--min-gap-us` on the stream that ran the most kernel time (the
-compute stream), the kernel that ended it is matched to its launch (the runtime event of the
-same `correlation` id): if the launch came after the gap began, the GPU waited for the host
+compute stream), the kernel that ended it is matched to its launch (the runtime or driver call
+of the same `correlation` id; enqueued when that call returned): if it was enqueued after the
+gap began, the GPU waited for the host
 ("host", and the CPU op the launch was made in is named); if it came before, the kernel waited
 for something on the device — another stream's work or an event ("device"). Side streams'
 kernel time that ran inside the gaps is reported too (a save running while compute idles).
@@ -68,8 +69,15 @@ def analyse(events: list[dict], min_gap: float = 20.0) -> dict:
         return {"streams": {}, "gaps": [], "span_us": 0.0}
     busy = {s: sum(e - b for b, e, _ in v) for s, v in streams.items()}
     main = max(busy, key=busy.get)
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    # when each kernel was enqueued: the end of its launch call. Triton kernels are launched
+    # through the driver API (cuLaunchKernel*: "cuda_driver"), torch's through the runtime;
+    # where a runtime call wraps a driver call of the same correlation id, the inner one
+    # ends first
+    enqueued: dict = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            c, end = e["args"]["correlation"], float(e["ts"]) + float(e.get("dur", 0))
+            enqueued[c] = min(end, enqueued.get(c, end))
     cpu_ops = sorted((e for e in events if e.get("cat") == "cpu_op" and e.get("ph") == "X"),
                      key=lambda e: float(e["ts"]))
     first = min(v[0][0] for v in streams.values())
@@ -77,11 +85,10 @@ def analyse(events: list[dict], min_gap: float = 20.0) -> dict:
     side = [x for s, v in streams.items() if s != main for x in v]
     rows = []
     for g0, g1, ev in gaps(streams[main], min_gap):
-        launch = launches.get(ev.get("args", {}).get("correlation"))
+        t = enqueued.get(ev.get("args", {}).get("correlation"))
         cause, op = "device", None
-        if launch is not None and float(launch["ts"]) > g0:
+        if t is not None and t > g0:
             cause = "host"
-            t = float(launch["ts"])
             inside = [o for o in cpu_ops if float(o["ts"]) <= t <= float(o["ts"]) + float(o["dur"])]
             op = min(inside, key=lambda o: float(o["dur"]))["name"] if inside else None
         rows.append({"start_us": g0 - first, "gap_us": g1 - g0, "cause": cause,

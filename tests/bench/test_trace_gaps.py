@@ -47,6 +47,22 @@ def test_gaps_and_causes():
     assert analyse(trace(), min_gap=20)["idle_us"] == 100  # the short gap is under the bar
 
 
+def test_driver_launches_count():
+    """A Triton kernel's launch is a driver call (cuLaunchKernelEx, "cuda_driver"): a gap it
+    ends is the host's when that call returned late; a runtime call wrapping a driver call of
+    the same correlation id enqueues when the inner call returns."""
+    def driver(ts, corr, dur=2):
+        return {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": ts,
+                "dur": dur, "args": {"correlation": corr}}
+
+    base = [kernel("a", 0, 100, 7, 1), kernel("triton", 400, 100, 7, 2), launch(0, 1)]
+    assert analyse(base + [driver(390, 2)], min_gap=10)["gaps"][0]["cause"] == "host"
+    wrapped = base + [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 20,
+                       "dur": 380, "args": {"correlation": 2}}, driver(21, 2)]
+    assert analyse(wrapped, min_gap=10)["gaps"][0]["cause"] == "device"  # enqueued at 23
+    assert analyse(base, min_gap=10)["gaps"][0]["cause"] == "device"  # no launch recorded
+
+
 def test_overlap_merges_intervals():
     iv = [(0, 10, None), (5, 20, None), (30, 40, None)]
     assert overlap(0, 100, iv) == 30 and overlap(8, 35, iv) == 17 and overlap(50, 60, iv) == 0
