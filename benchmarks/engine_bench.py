@@ -53,6 +53,20 @@ def per_config(items: list[str], names: list[str], flag: str, what: str) -> dict
     return out
 
 
+def add_workload_args(p) -> None:
+    """The serving workload and engine-shape arguments serving.py and serving_http.py share."""
+    p.add_argument("--dataset-name", default="longbench", choices=["longbench", "random"])
+    p.add_argument("--max-input-len", type=int, default=32768, help="the paper's cap for LWM-7B")
+    p.add_argument("--max-model-len", type=int, default=33792)
+    p.add_argument("--random-input-len", type=int, default=8192)
+    p.add_argument("--random-output-len", type=int, default=256)
+    p.add_argument("--kv-cache-gib", type=float, default=20, help="device KV budget (GiB)")
+    p.add_argument("--host-gib", type=float, default=72, help="host tier (GiB of pinned DRAM)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--token-budget", type=int, default=2048)
+
+
 def device_and_dtype(args) -> tuple[str, str]:
     """--device (default: cuda if present, cpu with --smoke) and its dtype (bf16 on cuda)."""
     import torch

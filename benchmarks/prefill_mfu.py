@@ -29,6 +29,7 @@ no recompute. MFU = FLOPs / step time / `--peak-tflops` (790: bf16 GEMMs measure
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import tempfile
@@ -267,15 +268,13 @@ def main(argv=None) -> int:
         a.host_gib = 0.05
     for preset in a.presets.split(","):
         saves = [m or None for m in a.d2h_methods.split(",")] if preset != "dense" else [None]
-        for ctx in contexts:
-            for rows in row_counts:
-                for mode in a.cudagraph_modes.split(","):  # modes side by side
-                    for d2h in saves:
-                        res["runs"].append(run_context(model, ctx, rows, a, device, dtype,
-                                                       preset, mode, d2h))
-                        C.write_json(a.out, res)
-    print(C.table(["preset", "saves", "graphs", "context", "decode rows", "chunk", "step ms", "TFLOP/s",
-                   "MFU", "host share"],
+        # graph modes and save methods side by side
+        for ctx, rows, mode, d2h in itertools.product(contexts, row_counts,
+                                                      a.cudagraph_modes.split(","), saves):
+            res["runs"].append(run_context(model, ctx, rows, a, device, dtype, preset, mode, d2h))
+            C.write_json(a.out, res)
+    print(C.table(["preset", "saves", "graphs", "context", "decode rows", "chunk", "step ms",
+                   "TFLOP/s", "MFU", "host share"],
                   [[r["preset"], r["d2h_method"] or "-", r["cudagraph_mode"], r["context"],
                     r["decode_rows"], r["chunk"],
                     C.fmt(r["mean_step_ms"]),

@@ -271,20 +271,6 @@ def run_preset(a, preset: str, model: str, vocab: int, device: str, dtype: str, 
         save()
 
 
-def add_workload_args(p) -> None:
-    """The workload and engine-shape arguments serving.py and serving_http.py share."""
-    p.add_argument("--dataset-name", default="longbench", choices=["longbench", "random"])
-    p.add_argument("--max-input-len", type=int, default=32768, help="the paper's cap for LWM-7B")
-    p.add_argument("--max-model-len", type=int, default=33792)
-    p.add_argument("--random-input-len", type=int, default=8192)
-    p.add_argument("--random-output-len", type=int, default=256)
-    p.add_argument("--kv-cache-gib", type=float, default=20, help="device KV budget (GiB)")
-    p.add_argument("--host-gib", type=float, default=72, help="host tier (GiB of pinned DRAM)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--token-budget", type=int, default=2048)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     E.add_run_args(p, "JSON result path (the figure goes next to it, .png)", list(CONFIGS))
@@ -306,7 +292,7 @@ def parse_args(argv=None):
                    help="every configuration launches step N + 1 before reading step N's tokens "
                         "(the engine's --async-scheduling; off: vLLM's default)")
     p.add_argument("--num-prompts", type=int, default=24)
-    add_workload_args(p)
+    E.add_workload_args(p)
     p.add_argument("--tbt-slo-ms", type=float, default=None,
                    help="P99 TBT SLO (default 25x the dense preset's mean TBT at its lowest rate)")
     p.add_argument("--queue-slo-s", type=float, default=2.0)

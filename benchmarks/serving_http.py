@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import common as C  # noqa: E402
-from serving import add_workload_args  # noqa: E402
+import engine_bench as E  # noqa: E402
 
 GiB = 1 << 30
 KEYS = ("completed", "failed", "duration", "output_throughput", "mean_ttft_ms", "mean_itl_ms",
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--presets", default="sparseserve,dense")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--request-rate", default="2", help="req/s (Poisson) or inf")
-    add_workload_args(p)  # the same workload and engine shape as serving.py
+    E.add_workload_args(p)  # the same workload and engine shape as serving.py
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout-s", type=float, default=240)
     p.add_argument("--triton-cache", choices=("fresh", "shared"), default="fresh",

@@ -95,7 +95,8 @@ def analyse(events: list[dict], min_gap: float = 20.0) -> dict:
                      "next_kernel": ev.get("name", "")[:100], "launched_in": op,
                      "side_stream_busy_us": overlap(g0, g1, side)})
     return {"span_us": last - first, "main_stream": str(main),
-            "streams": {str(s): {"kernels": len(v), "busy_us": busy[s]} for s, v in streams.items()},
+            "streams": {str(s): {"kernels": len(v), "busy_us": busy[s]}
+                        for s, v in streams.items()},
             "idle_us": sum(r["gap_us"] for r in rows),
             "idle_by_cause_us": {c: sum(r["gap_us"] for r in rows if r["cause"] == c)
                                  for c in ("host", "device")},

@@ -26,7 +26,6 @@ from sparseserve.worker.cuda_graphs import capture_runner_graphs
 from sparseserve.worker.forward_context import ForwardContext, KVCacheTensors, PrefillSeq
 from sparseserve.worker.host_copy import to_device
 from sparseserve.worker.offload_cache import TwoTierCache
-from sparseserve.worker.step_arrays import step_token_arrays
 from sparseserve.worker.offload_context import OffloadForwardContext
 from sparseserve.worker.page_directory import PageDirectory
 from sparseserve.worker.pending_step import PendingStep, RunnerOutput, fill_pending_tokens
@@ -35,6 +34,7 @@ from sparseserve.worker.prompt_logprobs import PromptLogprobs
 from sparseserve.worker.sampler import Sampler
 from sparseserve.worker.sampling_step import SamplingStep
 from sparseserve.worker.sparse_runtime import SparseRuntime
+from sparseserve.worker.step_arrays import step_token_arrays
 
 logger = logging.getLogger("sparseserve")
 

@@ -25,13 +25,11 @@ def step_token_arrays(chunks: Sequence[ScheduledChunk]
     [start, start + num_tokens); its rows are its batch row."""
     counts = [c.num_tokens for c in chunks]
     total = sum(counts)
-    offsets = list(itertools.accumulate(counts[:-1], initial=0)) if counts else []
+    offsets = list(itertools.accumulate(counts, initial=0))[:-1]
     ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64,
                       total)
-    if not chunks:
-        empty = np.empty(0, np.int64)
-        return ids, empty, empty.copy(), offsets
-    pos = np.concatenate([np.arange(c.start, c.start + n, dtype=np.int64)
-                          for c, n in zip(chunks, counts)])
+    pos = np.concatenate([np.empty(0, np.int64)]  # no chunks: an empty array, not an error
+                         + [np.arange(c.start, c.start + n, dtype=np.int64)
+                            for c, n in zip(chunks, counts)])
     rows = np.repeat(np.fromiter((c.row for c in chunks), np.int64, len(chunks)), counts)
     return ids, pos, rows, offsets

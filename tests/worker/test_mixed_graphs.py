@@ -104,19 +104,24 @@ def test_too_many_chunks_is_an_error(tiny_model_dirs):
                   torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long))
 
 
+def _staged_capture_state(tiny_model_dirs) -> MixedStepGraphs:
+    """A CPU engine's whole-step graphs (fused ops) in the state capture() stages, not captured."""
+    path, _ = tiny_model_dirs["llama-gqa"]
+    llm = LLM(path, device="cpu", dtype="float32", page_size=16, max_model_len=256,
+              max_num_seqs=4, max_num_batched_tokens=BUDGET, kv_cache_memory_bytes=1 << 24)
+    llm.engine.runner.model.fused_ops = True
+    mixed = MixedStepGraphs(llm.engine.runner, token_buckets(BUDGET), 4, capture=False)
+    mixed.capture()
+    return mixed
+
+
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU the engine captures every bucket at "
                     "start-up (test_engine_tokens_equal_eager)")
 def test_capture_state_runs_every_bucket(tiny_model_dirs):
     """The state the graphs are captured in (capture() stages it; the GPU then runs every
     bucket's forward once eagerly and once under capture) is valid for every bucket: no index
     out of range (the unused decode lanes' output row must exist in the smallest bucket)."""
-    path, _ = tiny_model_dirs["llama-gqa"]
-    llm = LLM(path, device="cpu", dtype="float32", page_size=16, max_model_len=256,
-              max_num_seqs=4, max_num_batched_tokens=BUDGET, kv_cache_memory_bytes=1 << 24)
-    runner = llm.engine.runner
-    runner.model.fused_ops = True
-    mixed = MixedStepGraphs(runner, token_buckets(BUDGET), 4, capture=False)
-    mixed.capture()
+    mixed = _staged_capture_state(tiny_model_dirs)
     with torch.inference_mode():
         for b in mixed.buckets:
             mixed._forward(b)
@@ -131,13 +136,7 @@ def test_capture_state_ignores_what_the_allocator_left(tiny_model_dirs, monkeypa
     tensors): no row that is read may come from memory nothing wrote. The padding rows' K/V
     land in the scratch slot that the unused decode lanes read (in the capture state: row 0,
     the sampled row)."""
-    path, _ = tiny_model_dirs["llama-gqa"]
-    llm = LLM(path, device="cpu", dtype="float32", page_size=16, max_model_len=256,
-              max_num_seqs=4, max_num_batched_tokens=BUDGET, kv_cache_memory_bytes=1 << 24)
-    runner = llm.engine.runner
-    runner.model.fused_ops = True
-    mixed = MixedStepGraphs(runner, token_buckets(BUDGET), 4, capture=False)
-    mixed.capture()
+    mixed = _staged_capture_state(tiny_model_dirs)
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
     with torch.inference_mode():
