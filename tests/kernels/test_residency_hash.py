@@ -88,3 +88,26 @@ def test_batched_rebuild_if_full_decides_per_layer(device, num_slots):
         else:
             assert int(fill[layer, 0]) == H // 2 and torch.equal(table[layer], before[layer])
     assert torch.equal(fill[:, 1], torch.zeros(L, dtype=torch.long, device=device))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("num_slots,n_queries", [(1, 1), (17, 54), (97, 4097)])
+def test_lookup_layers_equals_each_layer(device, backend, num_slots, n_queries):
+    """lookup_layers over [L, H] tables (one launch) == lookup in each layer: different pages
+    per layer, some shared, queries with misses and -1."""
+    g = torch.Generator().manual_seed(num_slots + n_queries)
+    L, H = 3, rh.table_size(num_slots)
+    page_of = torch.full((L, num_slots), -1, dtype=torch.long)
+    for layer in range(L):
+        k = max(1, num_slots - layer * num_slots // 3)
+        page_of[layer, torch.randperm(num_slots, generator=g)[:k]] = \
+            torch.randperm(200, generator=g)[:k]
+    page_of = page_of.to(device)
+    table = torch.empty((L, H), dtype=torch.int32, device=device)
+    rh.rebuild(table, page_of, backend=backend)
+    q = torch.cat([torch.randint(0, 200, (n_queries - 1,), generator=g),
+                   torch.tensor([-1])]).to(device)
+    got = rh.lookup_layers(table, page_of, q, backend=backend)
+    assert got.shape == (L, n_queries)
+    for layer in range(L):
+        assert torch.equal(got[layer], expected(page_of[layer], q))
