@@ -65,6 +65,9 @@ def run_context(model: str, context: int, rows: int, a, device: str, dtype: str,
     import torch
 
     from sparseserve import LLM, SamplingParams
+    from sparseserve.engine.gc_pauses import GC_PAUSES
+
+    GC_PAUSES.install()
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     extra = {}
@@ -98,6 +101,7 @@ def run_context(model: str, context: int, rows: int, a, device: str, dtype: str,
         while long_req.num_computed_tokens < context:
             start = long_req.num_computed_tokens
             sync()
+            gc0, gcn0 = GC_PAUSES.total_s, sum(GC_PAUSES.collections)
             t0 = time.perf_counter()
             eng.step()
             sync()
@@ -107,6 +111,9 @@ def run_context(model: str, context: int, rows: int, a, device: str, dtype: str,
             flops = chunk_flops(mc, start, tokens, 1 if done >= context else 0)
             steps.append({"prompt": repeat, "start": start, "tokens": tokens,
                           "wall_ms": 1e3 * wall, "host_ms": 1e3 * eng.last_step_host_time_s,
+                          # Python's collector inside the step (engine/gc_pauses.py)
+                          "gc_ms": 1e3 * (GC_PAUSES.total_s - gc0),
+                          "gc_collections": sum(GC_PAUSES.collections) - gcn0,
                           "decode_rows": rows, "tflops": flops / wall / 1e12,
                           "mfu": flops / wall / (a.peak_tflops * 1e12)})
             if rid not in sched.requests:
@@ -274,12 +281,13 @@ def main(argv=None) -> int:
             res["runs"].append(run_context(model, ctx, rows, a, device, dtype, preset, mode, d2h))
             C.write_json(a.out, res)
     print(C.table(["preset", "saves", "graphs", "context", "decode rows", "chunk", "step ms",
-                   "TFLOP/s", "MFU", "host share"],
+                   "TFLOP/s", "MFU", "host share", "gc ms (max step)"],
                   [[r["preset"], r["d2h_method"] or "-", r["cudagraph_mode"], r["context"],
                     r["decode_rows"], r["chunk"],
                     C.fmt(r["mean_step_ms"]),
                     C.fmt(r["mean_tflops"]), f"{100 * r['mean_mfu']:.1f} %",
-                    f"{100 * r['host_share']:.1f} %"] for r in res["runs"]]))
+                    f"{100 * r['host_share']:.1f} %",
+                    C.fmt(max(s["gc_ms"] for s in r["steps"]))] for r in res["runs"]]))
     return 0
 
 

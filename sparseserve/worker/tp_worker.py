@@ -22,6 +22,7 @@ import sys
 import time
 import traceback
 
+from sparseserve.engine.gc_pauses import freeze_startup_heap
 from sparseserve.worker.model_runner import ModelRunner, RunnerOutput
 
 
@@ -93,6 +94,7 @@ def worker_main(rank: int, size: int, port: int, backend: str, timeout_s: float,
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
         runner = RankRunner(cfg, source, TensorParallel(rank, size))
+        freeze_startup_heap()  # as the engine's process does (engine/gc_pauses.py)
         conn.send(("ok", None))
         while True:
             try:
