@@ -80,6 +80,9 @@ def run_context(model: str, context: int, rows: int, a, device: str, dtype: str,
               max_num_batched_tokens=a.chunk + rows, kv_cache_memory_bytes=int(a.kv_gib * GiB),
               cudagraph_mode=mode, **extra)
     eng = llm.engine
+    if a.no_gc_freeze:  # the engine's start-up freeze undone: what the collector costs a step
+        import gc
+        gc.unfreeze()
     mc = eng.config.model
     d2h = eng.config.cache.d2h_method if eng.config.cache.kv_offload else None
     rng = np.random.default_rng(a.seed)
@@ -258,6 +261,8 @@ def main(argv=None) -> int:
                         "(where the host share goes)")
     p.add_argument("--trace-dir", default=None,
                    help="with --profile: write each profiled step's Chrome trace here")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="undo the engine's gc.freeze of its start-up heap (engine/gc_pauses.py)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     a = p.parse_args(argv)
     contexts = [int(x) for x in a.contexts.split(",")]

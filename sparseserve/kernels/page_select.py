@@ -78,7 +78,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                  local_pages, out_pages=None, out_num=None, out_blocks=None, *, num_splits=None,
                  block_w=None, num_warps=None, n_sub=1, codes=None, bits=0, kmean=None,
                  chan=None, kscale=None, sparq_chan=None, sparq_kernel=None, sparq_asm=None,
-                 sparq_rec=None, scores_out=None):
+                 sparq_rec=None, rec_interleave=1, scores_out=None):
     """Fused Quest/ArkVale page selection by estimated attention mass
 (``SparseAlgorithm.select``'s contract over ``Quest.score``; spec: ``ref.select_pages``).
 
@@ -115,6 +115,9 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         sparq_rec:     [S, D * NR] int32: the records that kmin / kmax / codes view
                        (``sparq_records``); ``sparq_tiles`` / ``sparq_stream`` then load whole
                        4-word records
+        rec_interleave: pages per chunk of ``sparq_rec``'s interleaved layout
+                       (``sparq_records.interleave``; 1: a page's records in its row); > 1
+                       needs the whole-record path (``sparq_tiles`` / ``sparq_stream``)
         scores_out:    [B, Hkv, G, W] fp32 for the per-head scores (``x_g`` above; written
                        for the full pages), else scratch
     Returns:
@@ -196,6 +199,9 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         version = 1  # sparq_tiles / sparq_stream: int8 means, 16 to 64 tokens a page
     # whole-record loads: sparq_tiles / _stream with 4-word records (else their strided views)
     rec_kind = rec_kind if version >= 2 and rec_kind and sparq_rec.shape[1] == 4 * D else 0
+    if rec_interleave != 1 and not rec_kind:
+        raise ValueError(f"select_pages: rec_interleave={rec_interleave} needs 4-word records "
+                         f"read whole (sparq_rec with sparq_kernel 2-4, int8 means, page 16-64)")
     if version == 2:  # chunks of TILE_PAGES pages (a multiple of 16: sub-tiles of 16)
         block_w = block_w if block_w and block_w % 16 == 0 else TILE_PAGES
     elif version in (3, 4):  # one sub-tile an iteration
@@ -242,7 +248,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                 # on the tensor cores whatever the setting
                 DOT_PREC="ieee" if kmax.dtype == torch.float32 else "tf32",
                 ASM=bool(asm), FAST=q.is_cuda,  # FAST: lg2.approx (not in the interpreter)
-                BCS=kmin.stride(1), CCS=codes.stride(1) if sparq else 1, REC=rec_kind)
+                BCS=kmin.stride(1), CCS=codes.stride(1) if sparq else 1, REC=rec_kind,
+                RI=rec_interleave)
     if splits == 1:
         _page_select_kernel[(B, Hkv, 1)](*args, **meta, DO_SCORE=True, DO_SELECT=True,
                                          NW=sel_warps, num_warps=sel_warps)

@@ -84,7 +84,7 @@ def _page_select_kernel(
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, TILE: tl.constexpr, ONE_TILE: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, DO_SCORE: tl.constexpr,
     DO_SELECT: tl.constexpr, NW: tl.constexpr, ASM: tl.constexpr, FAST: tl.constexpr,
-    BCS: tl.constexpr, CCS: tl.constexpr, REC: tl.constexpr,
+    BCS: tl.constexpr, CCS: tl.constexpr, REC: tl.constexpr, RI: tl.constexpr = 1,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -106,13 +106,15 @@ def _page_select_kernel(
             q_ptr + b64 * stride_qb + h * G * stride_qh, stride_qh, mean_ptr, kmin_ptr, kmax_ptr,
             codes_ptr, kscale_ptr, chan_ptr + b64 * stride_chan + h * R, stride_mean,
             stride_min, stride_max, stride_codes, pt_row, s_row, stride_sg, n, c0, c1, qk_scale,
-            magic, G, GP, D, BLOCK_D, PS, R, BLOCK_W, 16, NW, ASM, FAST, DOT_PREC, BCS, CCS, REC)
+            magic, G, GP, D, BLOCK_D, PS, R, BLOCK_W, 16, NW, ASM, FAST, DOT_PREC, BCS, CCS, REC,
+            RI)
     elif DO_SCORE and (SPARQ == 3 or SPARQ == 4):  # sparq_stream (4: its 2-warp launch)
         m_run, l_run = sparq_score_stream(
             q_ptr + b64 * stride_qb + h * G * stride_qh, stride_qh, mean_ptr, kmin_ptr, kmax_ptr,
             codes_ptr, kscale_ptr, chan_ptr + b64 * stride_chan + h * R, stride_mean,
             stride_min, stride_max, stride_codes, pt_row, s_row, stride_sg, n, c0, c1, qk_scale,
-            magic, G, GP, D, BLOCK_D, PS, R, BLOCK_W, NW, ASM, FAST, DOT_PREC, BCS, CCS, REC, 2)
+            magic, G, GP, D, BLOCK_D, PS, R, BLOCK_W, NW, ASM, FAST, DOT_PREC, BCS, CCS, REC, 2,
+            RI)
     elif DO_SCORE:
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D

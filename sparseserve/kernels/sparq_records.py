@@ -76,3 +76,15 @@ def rec_kind(dtype: torch.dtype) -> int:
     """The kernels' ``REC`` constant for records with a box in ``dtype``: 1 bf16, 2 fp16,
     3 fp32 (0: no records)."""
     return {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}[dtype]
+
+
+def interleave(words: torch.Tensor, nr: int, ri: int) -> torch.Tensor:
+    """Records in their pages' rows ``words`` [S, D * NR] int32 (S a multiple of ``ri``) ->
+    the same records in chunks of ``ri`` pages, channel-major within a chunk: record (p, c) at
+    flat word ``((p // ri) * D + c) * ri * NR + (p % ri) * NR`` (``sparq_tiles.rec_word``),
+    same shape. A chunk's pages are the allocation chunk of one (request, KV head) (host
+    pages come in aligned chunks of 16), so a select's sub-tile of 16 consecutive entries
+    reads each chosen channel of its 16 pages as one contiguous run."""
+    s, w = words.shape
+    d = w // nr
+    return words.view(s // ri, ri, d, nr).transpose(1, 2).contiguous().view(s, w)

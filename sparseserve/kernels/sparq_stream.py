@@ -57,7 +57,8 @@ def sparq_score_stream(q_row, stride_qh, mean_ptr, lo_ptr, hi_ptr, codes_ptr, ks
                        BLOCK_D: tl.constexpr, PS: tl.constexpr, R: tl.constexpr,
                        SUB: tl.constexpr, NW: tl.constexpr, ASM: tl.constexpr,
                        FAST: tl.constexpr, DOT_PREC: tl.constexpr, BCS: tl.constexpr,
-                       CCS: tl.constexpr, REC: tl.constexpr, STAGES: tl.constexpr):
+                       CCS: tl.constexpr, REC: tl.constexpr, STAGES: tl.constexpr,
+                       RI: tl.constexpr = 1):
     """``sparq_tiles.sparq_score_tiles``' contract with chunks of ``SUB`` pages: writes
     ``s_row[g, page]`` for the full pages of chunks ``c0 .. c1`` and returns the row's
     (max, sum of exp2(x - max)) per head [GP]."""
@@ -86,7 +87,7 @@ def sparq_score_stream(q_row, stride_qh, mean_ptr, lo_ptr, hi_ptr, codes_ptr, ks
                      other=0)                                                     # [SUB, R]
         lo3, hi3, w0, w1, wp = subtile_words(
             codes_ptr, lo_ptr, hi_ptr, pg2, ch, m3, stride_lo, stride_hi, stride_codes,
-            REC, K, NW, R, NWC, BCS, CCS)
+            REC, K, NW, R, NWC, BCS, CCS, RI)
         # page terms q . mean + q[R] . (lo + step / 2 - mean[R]), as sparq_tiles' step 1
         base = tl.dot(mean.to(DT), qt, input_precision=DOT_PREC) * ks[:, None]   # [SUB, GP]
         lo = tl.reshape(lo3.to(tl.float32), (SUB, R))

@@ -153,6 +153,20 @@ def _rec_tile(rp, m3, REC: tl.constexpr, K: tl.constexpr, NW: tl.constexpr, R: t
 
 
 @triton.jit
+def rec_word(page, ch, stride_page, RI: tl.constexpr):
+    """Word offset of record (``page``, channel ``ch``) of 4 words (broadcast shapes): ``RI``
+    1, the page's D records in its row (``stride_page`` words apart); ``RI`` > 1, records laid
+    out in chunks of RI pages, channel-major within a chunk (``sparq_records.interleave``): one
+    channel's records of a chunk's RI consecutive pages are contiguous, so a sub-tile of a
+    chunk reads each chosen channel as one 16 x RI-byte run, not RI scattered 16-byte pieces
+    of 64-byte DRAM bursts. ``stride_page`` is the un-interleaved row stride (D * 4)."""
+    if RI == 1:
+        return page * stride_page + ch * 4
+    else:
+        return (page // RI) * (RI * stride_page) + (page % RI) * 4 + ch * (RI * 4)
+
+
+@triton.jit
 def row_queries(q_row, stride_qh, ch_row, qk_scale, DT: tl.constexpr, G: tl.constexpr,
                 GP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr,
                 NWC: tl.constexpr):
@@ -188,14 +202,16 @@ def row_queries(q_row, stride_qh, ch_row, qk_scale, DT: tl.constexpr, G: tl.cons
 @triton.jit
 def subtile_words(codes_ptr, lo_ptr, hi_ptr, pg2, ch, m3, stride_lo, stride_hi, stride_codes,
                   REC: tl.constexpr, K: tl.constexpr, NW: tl.constexpr, R: tl.constexpr,
-                  NWC: tl.constexpr, BCS: tl.constexpr, CCS: tl.constexpr):
+                  NWC: tl.constexpr, BCS: tl.constexpr, CCS: tl.constexpr,
+                  RI: tl.constexpr = 1):
     """The sub-tile's loads: (lo, hi) [K, NW, R] (fp32 from records, else the summary dtype:
     exact either way), code words 0 and 1 [K, NW, R] (word 1 = word 0 when a channel has one)
     and the code words' pointers ``wp`` (words 2, 3 of page 64 are loaded by ``subtile_x``).
     ``pg2`` [K, NW] int64 page ids, ``ch`` [R] int64 channels, ``m3`` [K, NW, 1] mask."""
     if REC:  # whole records: box and code words in one vector load
         lo3, hi3, w0, w1 = _rec_tile(
-            codes_ptr + pg2[:, :, None] * stride_codes + ch[None, None, :] * 4, m3, REC, K, NW, R)
+            codes_ptr + rec_word(pg2[:, :, None], ch[None, None, :], stride_codes, RI), m3, REC,
+            K, NW, R)
         wp = codes_ptr  # unused: 4-word records hold at most two code words
     else:
         lo3 = tl.load(lo_ptr + pg2[:, :, None] * stride_lo + ch[None, None, :] * BCS,
@@ -250,7 +266,8 @@ def sparq_score_tiles(q_row, stride_qh, mean_ptr, lo_ptr, hi_ptr, codes_ptr, ksc
                       BLOCK_D: tl.constexpr, PS: tl.constexpr, R: tl.constexpr,
                       BW: tl.constexpr, SUB: tl.constexpr, NW: tl.constexpr,
                       ASM: tl.constexpr, FAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                      BCS: tl.constexpr, CCS: tl.constexpr, REC: tl.constexpr):
+                      BCS: tl.constexpr, CCS: tl.constexpr, REC: tl.constexpr,
+                      RI: tl.constexpr = 1):
     """Score the full pages of chunks ``c0 .. c1`` (of BW pages) of one row: writes
     ``x_g = log2-sum-exp2 over the page's tokens of scale * log2(e) * logit_g`` to
     ``s_row[g, page]`` and returns the row's (max, sum of exp2(x - max)) per head [GP]
@@ -284,7 +301,7 @@ def sparq_score_tiles(q_row, stride_qh, mean_ptr, lo_ptr, hi_ptr, codes_ptr, ksc
         mc = tl.load(mean_ptr + page[:, None] * stride_mean + ch[None, :], mask=need[:, None],
                      other=0)
         if REC:  # the records' box words (their sectors serve the codes below too)
-            rp = codes_ptr + page[:, None] * stride_codes + ch[None, :] * 4
+            rp = codes_ptr + rec_word(page[:, None], ch[None, :], stride_codes, RI)
             b0 = tl.load(rp, mask=need[:, None], other=0)
             b1 = b0
             if REC == 3:
@@ -310,7 +327,7 @@ def sparq_score_tiles(q_row, stride_qh, mean_ptr, lo_ptr, hi_ptr, codes_ptr, ksc
             m3 = ok2[:, :, None]
             lo3, hi3, w0, w1, wp = subtile_words(
                 codes_ptr, lo_ptr, hi_ptr, pg2, ch, m3, stride_lo, stride_hi, stride_codes,
-                REC, K, NW, R, NWC, BCS, CCS)
+                REC, K, NW, R, NWC, BCS, CCS, RI)
             x3 = subtile_x(lo3.to(DT), hi3.to(DT), w0, w1, wp, m3, b3, qbd, magic, DT, K, NW,
                            R, NWC, GP, SUB, ASM, FAST, DOT_PREC)
             offs_s = c * BW + sc * SUB + tl.arange(0, SUB)
