@@ -107,6 +107,10 @@ def parse_args(argv=None):
                         "(default), or all num_layers layers of the model")
     p.add_argument("--budget-s", type=float, default=270.0, help="wall-clock budget of the run")
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph measurements")
+    p.add_argument("--page-chunk", type=int, default=1,
+                   help="pages come in aligned chunks of this many per (request, KV head), in "
+                        "random chunk order (16: the two-tier cache's host pages; summaries "
+                        "may then interleave them); 1: every page in random order")
     return p.parse_args(argv)
 
 
@@ -120,7 +124,8 @@ def main(argv=None):
 
     s = dict(SMOKE if args.smoke else FULL)
     s.update(smoke=args.smoke, algorithms=[a for a in args.algorithms.split(",") if a],
-             max_kv_gb=args.max_kv_gb, max_kv_scope=args.max_kv_scope, budget_s=args.budget_s, graphs=not args.no_graph)
+             max_kv_gb=args.max_kv_gb, max_kv_scope=args.max_kv_scope, budget_s=args.budget_s, graphs=not args.no_graph,
+             page_chunk=args.page_chunk)
     if args.contexts:
         s["contexts"] = args.contexts
     if args.batches:

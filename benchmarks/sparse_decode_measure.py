@@ -19,16 +19,22 @@ def kv_bytes(s, ctx, batch, es):
 
 
 def build_pool(torch, s, device, dtype, ctx, bmax, names):
-    """K/V pages of bmax requests in random physical order, and each algorithm's summaries."""
+    """K/V pages of bmax requests in random physical order — or, with ``s["page_chunk"]`` C
+    > 1, in aligned chunks of C pages per (request, KV head) in random chunk order, as the
+    two-tier cache allocates host pages — and each algorithm's summaries."""
     from sparseserve.sparse import get_algorithm_class
 
     ps, hkv, d = s["page_size"], s["num_kv_heads"], s["head_dim"]
+    chunk = s.get("page_chunk", 1)
     n = -(-ctx // ps)
     last = ctx - (n - 1) * ps
-    P = bmax * hkv * n
+    nch = -(-n // chunk)
+    P = bmax * hkv * nch * chunk
     k = torch.empty(P, ps, d, dtype=dtype, device=device).normal_()
     v = torch.empty(P, ps, d, dtype=dtype, device=device).normal_()
-    table = torch.randperm(P, device=device).to(torch.int32).view(bmax, hkv, n)
+    chunks = torch.randperm(P // chunk, device=device).view(bmax, hkv, nch, 1)
+    table = (chunks * chunk + torch.arange(chunk, device=device)).view(bmax, hkv, -1)[..., :n]
+    table = table.to(torch.int32).contiguous()
     ntok = torch.full((P,), ps, dtype=torch.int32, device=device)
     ntok[table[:, :, -1].reshape(-1).long()] = last
     ids = torch.arange(P, dtype=torch.int32, device=device)
@@ -45,7 +51,7 @@ def build_pool(torch, s, device, dtype, ctx, bmax, names):
         # (keycode2-sparq@records=0: the first layout)
         key = (base, getattr(alg, "records", None))
         if key not in built:
-            summ = alg.make_summaries(P + 1, d, dtype, device)
+            summ = alg.make_summaries(P + 1, d, dtype, device, chunk)
             for i in range(0, P, INDEX_CHUNK):
                 alg.index(k, ids[i:i + INDEX_CHUNK], ntok[i:i + INDEX_CHUNK], summ, None)
             built[key] = summ

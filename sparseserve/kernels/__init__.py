@@ -147,7 +147,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                  local_pages, out_pages=None, out_num=None, out_blocks=None, *, backend=None,
                  num_splits=None, num_warps=None, n_sub=1, codes=None, bits=0, kmean=None,
                  chan=None, kscale=None, sparq_chan=None, sparq_kernel=None, sparq_asm=None,
-                 sparq_rec=None):
+                 sparq_rec=None, rec_interleave=1):
     """Fused Quest/ArkVale selection (score + kept pages + top-k); see
     ``page_select.select_pages``.
 
@@ -164,7 +164,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     decodes its R channels of every page (``ref.sparq_page_bounds``; kmin / kmax [S, D]);
     ``sparq_kernel`` / ``sparq_asm`` (Triton only) pick its score phase's version;
     ``sparq_rec``: the records kmin / kmax / codes are views of (``sparq_records``; Triton
-    reads them whole).
+    reads them whole), ``rec_interleave`` (Triton only) their interleave.
     """
     cc = dict(kmean=kmean, chan=chan, kscale=kscale, sparq_chan=sparq_chan)
     if chan is not None and not channel_codes_supported(kmin.shape[-1], q.shape[-1]):
@@ -173,6 +173,9 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                                                       codes[0].numel()):
         backend = "torch"
     if resolve_backend(backend, q) == "torch":
+        if rec_interleave != 1:
+            raise ValueError("select_pages: the reference reads records in their rows "
+                             "(de-interleave them: KeyCodeSparQ.views)")
         return ref.select_pages(q, kmin, kmax, page_table, num_pages, last_page_len,
                                 budget_pages, sink_pages, local_pages, out_pages, out_num,
                                 out_blocks, n_sub=n_sub, codes=codes, bits=bits, **cc)
@@ -180,7 +183,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     return _triton(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages,
                    sink_pages, local_pages, out_pages, out_num, out_blocks, num_splits=num_splits,
                    num_warps=num_warps, n_sub=n_sub, codes=codes, bits=bits, sparq_kernel=sparq_kernel,
-                   sparq_asm=sparq_asm, sparq_rec=sparq_rec, **cc)
+                   sparq_asm=sparq_asm, sparq_rec=sparq_rec, rec_interleave=rec_interleave,
+                   **cc)
 
 
 def code_page_bounds(q, kmin, kmax, codes, page_table, num_pages, bits, out=None, *,
@@ -229,18 +233,24 @@ def sparq_supported(R: int, D: int, code_words: int) -> bool:
         and ps & (ps - 1) == 0
 
 
-def sparq_channels(q, kmin, kmax, wsum, page_table, num_pages, channels, *, backend=None):
+def sparq_channels(q, kmin, kmax, wsum, page_table, num_pages, channels, *, backend=None,
+                   rec_interleave=1):
     """The R channels each (request, KV head) row decodes in the SparQ-style key-code select;
     see ``ref.sparq_channels``. Triton (``sparq_codes``) reads and updates the per-page width
     sums ``wsum`` [S, D] fp32 (kmin / kmax / wsum may be record views, ``sparq_records``);
     the reference recomputes them (``wsum`` unused).
 
     q [B, Hq, D], kmin/kmax [S, D], page_table [B, Hkv, W] int32, num_pages [B, Hkv] int32
-    -> [B, Hkv, R] int32."""
+    -> [B, Hkv, R] int32. ``rec_interleave`` > 1 (Triton only): the views are of records
+    interleaved in chunks of that many pages (``sparq_records.interleave``)."""
     if resolve_backend(backend, q) == "torch":
+        if rec_interleave != 1:
+            raise ValueError("sparq_channels: the reference reads records in their rows "
+                             "(de-interleave them: KeyCodeSparQ.views)")
         return ref.sparq_channels(q, kmin, kmax, page_table, num_pages, channels)
     from .sparq_codes import sparq_channels as _triton
-    return _triton(q, kmin, kmax, wsum, page_table, num_pages, channels)
+    return _triton(q, kmin, kmax, wsum, page_table, num_pages, channels,
+                   rec_interleave=rec_interleave)
 
 
 def sparq_page_bounds(q, kmean, kscale, kmin, kmax, codes, chosen, page_table, num_pages,

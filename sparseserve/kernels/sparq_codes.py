@@ -41,6 +41,7 @@ import triton.language as tl
 from . import channel_codes_supported as supported
 from . import patch_triton_interpreter
 from .ref_sparq import channel_major
+from .sparq_tiles import rec_elem
 
 patch_triton_interpreter()
 
@@ -54,18 +55,20 @@ WIDTH_CACHE = os.environ.get("SPARSESERVE_SPARQ_WIDTH_CACHE", "1") not in ("0", 
 
 @triton.jit
 def _width_sum(kmin_ptr, kmax_ptr, stride_min, stride_max, stride_bd, pt_row, last, offs_d,
-               d_ok, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr):
+               d_ok, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, RI: tl.constexpr):
     """[BLOCK_D] fp32: kmax - kmin summed over the row's pages 0..last (none if last < 0);
-    ``stride_bd``: the boxes' channel stride (1, or a record's, ``sparq_records``)."""
+    ``stride_bd``: the boxes' channel stride (1, or a record's, ``sparq_records``); ``RI``:
+    the records' interleave (``sparq_tiles.rec_elem``)."""
     acc = tl.zeros([BLOCK_W, BLOCK_D], tl.float32)
     for w0 in range(0, last + 1, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
         w_ok = offs_w <= last
         pg = tl.load(pt_row + offs_w, mask=w_ok, other=0).to(tl.int64)
         m2 = w_ok[:, None] & d_ok[None, :]
-        cd = offs_d[None, :] * stride_bd
-        lo = tl.load(kmin_ptr + pg[:, None] * stride_min + cd, mask=m2, other=0.0)
-        hi = tl.load(kmax_ptr + pg[:, None] * stride_max + cd, mask=m2, other=0.0)
+        lo = tl.load(kmin_ptr + rec_elem(pg[:, None], offs_d[None, :], stride_min, stride_bd, RI),
+                     mask=m2, other=0.0)
+        hi = tl.load(kmax_ptr + rec_elem(pg[:, None], offs_d[None, :], stride_max, stride_bd, RI),
+                     mask=m2, other=0.0)
         acc += hi.to(tl.float32) - lo.to(tl.float32)
     return tl.sum(acc, axis=0)
 
@@ -78,7 +81,7 @@ def _sparq_channels_kernel(
     stride_qb, stride_qh, stride_min, stride_max, stride_bd, stride_ws, stride_wd, stride_ptb,
     stride_pth, stride_npb, stride_ob, stride_oh,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr,
-    BLOCK_W: tl.constexpr, USE_CACHE: tl.constexpr,
+    BLOCK_W: tl.constexpr, USE_CACHE: tl.constexpr, RI: tl.constexpr = 1,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -87,29 +90,31 @@ def _sparq_channels_kernel(
     pt_row = pt_ptr + b64 * stride_ptb + h * stride_pth
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    bd = offs_d * stride_bd  # channel offsets in the boxes and in the width sums
-    wd = offs_d * stride_wd
     t = n - 2  # the row's last full page before its last
     if USE_CACHE:
         has = t >= 0
         page_t = tl.load(pt_row + tl.maximum(t, 0), mask=has, other=0).to(tl.int64)
-        cur = tl.load(ws_ptr + page_t * stride_ws + wd, mask=d_ok & has, other=0.0)
+        ws_t = ws_ptr + rec_elem(page_t, offs_d, stride_ws, stride_wd, RI)
+        cur = tl.load(ws_t, mask=d_ok & has, other=0.0)
         cur_ok = (tl.min(tl.where(d_ok, cur, 0.0), axis=0) >= 0).to(tl.int32)  # t < 0: valid
         p_ok = t >= 1
         page_p = tl.load(pt_row + tl.maximum(t - 1, 0), mask=p_ok, other=0).to(tl.int64)
-        prev = tl.load(ws_ptr + page_p * stride_ws + wd, mask=d_ok & p_ok, other=-1.0)
+        prev = tl.load(ws_ptr + rec_elem(page_p, offs_d, stride_ws, stride_wd, RI),
+                       mask=d_ok & p_ok, other=-1.0)
         prev_ok = (tl.min(tl.where(d_ok, prev, 0.0), axis=0) >= 0).to(tl.int32)
-        lo = tl.load(kmin_ptr + page_t * stride_min + bd, mask=d_ok & has, other=0.0)
-        hi = tl.load(kmax_ptr + page_t * stride_max + bd, mask=d_ok & has, other=0.0)
+        lo = tl.load(kmin_ptr + rec_elem(page_t, offs_d, stride_min, stride_bd, RI),
+                     mask=d_ok & has, other=0.0)
+        hi = tl.load(kmax_ptr + rec_elem(page_t, offs_d, stride_max, stride_bd, RI),
+                     mask=d_ok & has, other=0.0)
         width = tl.where(cur_ok != 0, cur, prev + (hi.to(tl.float32) - lo.to(tl.float32)))
         if cur_ok + prev_ok == 0:
             width = _width_sum(kmin_ptr, kmax_ptr, stride_min, stride_max, stride_bd, pt_row, t,
-                               offs_d, d_ok, BLOCK_D, BLOCK_W)
+                               offs_d, d_ok, BLOCK_D, BLOCK_W, RI)
         if cur_ok == 0:
-            tl.store(ws_ptr + page_t * stride_ws + wd, width, mask=d_ok)
+            tl.store(ws_t, width, mask=d_ok)
     else:
         width = _width_sum(kmin_ptr, kmax_ptr, stride_min, stride_max, stride_bd, pt_row, t,
-                           offs_d, d_ok, BLOCK_D, BLOCK_W)
+                           offs_d, d_ok, BLOCK_D, BLOCK_W, RI)
     offs_g = tl.arange(0, GP)
     qa = tl.load(q_ptr + b64 * stride_qb + (h * G + offs_g[:, None]) * stride_qh
                  + offs_d[None, :], mask=(offs_g < G)[:, None] & d_ok[None, :], other=0.0)
@@ -123,11 +128,13 @@ def _sparq_channels_kernel(
 
 
 def sparq_channels(q, kmin, kmax, wsum, page_table, num_pages, channels, out=None,
-                   use_cache=None):
+                   use_cache=None, rec_interleave=1):
     """Triton version of ``ref.sparq_channels`` (same result: [B, Hkv, R] int32, by decreasing
     weight), reading and updating the width sums ``wsum`` [S, D] fp32 (module docstring;
     ``use_cache`` False: recomputed, ``wsum`` untouched; default ``WIDTH_CACHE``). kmin, kmax
-    and wsum may be strided views of records (``sparq_records.record_views``)."""
+    and wsum may be strided views of records (``sparq_records.record_views``), interleaved in
+    chunks of ``rec_interleave`` pages (``sparq_records.interleave``; the views then address
+    the records as if un-interleaved, ``sparq_tiles.rec_elem``)."""
     B, Hq, D = q.shape
     _, Hkv, W = page_table.shape
     assert channels <= D and kmin.stride(1) == kmax.stride(1) and q.stride(2) == 1
@@ -145,7 +152,8 @@ def sparq_channels(q, kmin, kmax, wsum, page_table, num_pages, channels, out=Non
         out.stride(1),
         G=Hq // Hkv, GP=max(2, triton.next_power_of_2(Hq // Hkv)), D=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), R=channels, BLOCK_W=16,
-        USE_CACHE=WIDTH_CACHE if use_cache is None else use_cache, num_warps=4)
+        USE_CACHE=WIDTH_CACHE if use_cache is None else use_cache, RI=rec_interleave,
+        num_warps=4)
     return out
 
 

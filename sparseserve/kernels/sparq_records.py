@@ -88,3 +88,19 @@ def interleave(words: torch.Tensor, nr: int, ri: int) -> torch.Tensor:
     s, w = words.shape
     d = w // nr
     return words.view(s // ri, ri, d, nr).transpose(1, 2).contiguous().view(s, w)
+
+
+def deinterleave(words: torch.Tensor, nr: int, ri: int) -> torch.Tensor:
+    """``interleave``'s inverse: the records back in their pages' rows (a copy)."""
+    s, w = words.shape
+    d = w // nr
+    return words.view(s // ri, d, ri, nr).transpose(1, 2).contiguous().view(s, w)
+
+
+def record_word_offsets(rows: torch.Tensor, d: int, nr: int, ri: int) -> torch.Tensor:
+    """Flat int32-word offsets [N, D * NR] of the records of pages ``rows`` [N] (int64) in
+    ``interleave``'s layout (``ri`` 1: the rows' own words): where ``index`` writes a page."""
+    c = torch.arange(d, device=rows.device)
+    w = torch.arange(nr, device=rows.device)
+    base = (rows // ri)[:, None] * (ri * d * nr) + (rows % ri)[:, None] * nr + c[None, :] * (ri * nr)
+    return (base[:, :, None] + w[None, None, :]).reshape(rows.shape[0], d * nr)

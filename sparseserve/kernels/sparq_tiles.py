@@ -153,6 +153,18 @@ def _rec_tile(rp, m3, REC: tl.constexpr, K: tl.constexpr, NW: tl.constexpr, R: t
 
 
 @triton.jit
+def rec_elem(page, ch, stride_page, stride_ch, RI: tl.constexpr):
+    """Offset of element (``page``, channel ``ch``) of a record view (``sparq_records``: the
+    records' box, code or width fields as [S, D] views, ``stride_page`` / ``stride_ch`` their
+    un-interleaved strides) when the records are interleaved in chunks of ``RI`` pages
+    (``rec_word``); ``RI`` 1: ``page * stride_page + ch * stride_ch``."""
+    if RI == 1:
+        return page * stride_page + ch * stride_ch
+    else:
+        return (page // RI) * (RI * stride_page) + (page % RI) * stride_ch + ch * (RI * stride_ch)
+
+
+@triton.jit
 def rec_word(page, ch, stride_page, RI: tl.constexpr):
     """Word offset of record (``page``, channel ``ch``) of 4 words (broadcast shapes): ``RI``
     1, the page's D records in its row (``stride_page`` words apart); ``RI`` > 1, records laid
@@ -160,10 +172,7 @@ def rec_word(page, ch, stride_page, RI: tl.constexpr):
     channel's records of a chunk's RI consecutive pages are contiguous, so a sub-tile of a
     chunk reads each chosen channel as one 16 x RI-byte run, not RI scattered 16-byte pieces
     of 64-byte DRAM bursts. ``stride_page`` is the un-interleaved row stride (D * 4)."""
-    if RI == 1:
-        return page * stride_page + ch * 4
-    else:
-        return (page // RI) * (RI * stride_page) + (page % RI) * 4 + ch * (RI * 4)
+    return rec_elem(page, ch, stride_page, 4, RI)
 
 
 @triton.jit

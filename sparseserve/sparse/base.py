@@ -97,6 +97,9 @@ class LayerSummaries:
 
     tensors: dict[str, torch.Tensor]
     shapes: dict[str, tuple[int, ...]] | None = None  # name -> one page's row shape
+    # pages per chunk of a layout that interleaves consecutive pages' rows (keycode2-sparq's
+    # records, ``sparq_records.interleave``); 1: every row is its page's
+    interleave: int = 1
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -155,9 +158,11 @@ class SparseAlgorithm:
         return {}
 
     def make_summaries(self, rows: int, head_dim: int, dtype=torch.float32,
-                       device=None) -> LayerSummaries:
+                       device=None, page_chunk: int = 1) -> LayerSummaries:
         """Zeroed summaries of one layer: [rows, numel(shape)] per name (rows = pages + 1),
-        in ``dtype`` (the KV dtype) unless ``summary_dtypes`` says otherwise."""
+        in ``dtype`` (the KV dtype) unless ``summary_dtypes`` says otherwise. ``page_chunk``:
+        page ids come in aligned runs of that many consecutive ids of one (request, KV head)
+        (the two-tier cache's host pages): a layout may interleave such runs (default: no)."""
         shapes, dts = self.summary_shapes(head_dim), self.summary_dtypes()
         return LayerSummaries({n: torch.zeros((rows, math.prod(s)), dtype=dts.get(n, dtype),
                                               device=device)

@@ -73,10 +73,12 @@ import os
 
 import torch
 
-from sparseserve.kernels import select_pages, sparq_channels, sparq_page_bounds
+from sparseserve.kernels import (resolve_backend, select_pages, sparq_channels,
+                                 sparq_page_bounds, sparq_supported)
 from sparseserve.kernels.ref import mass_from_bounds
 from sparseserve.kernels.ref_sparq import unpack_channel_codes
-from sparseserve.kernels.sparq_records import pack_records, record_views, record_words
+from sparseserve.kernels.sparq_records import (deinterleave, pack_records, record_views,
+                                               record_word_offsets, record_words)
 from sparseserve.sparse.base import LayerSummaries, Selection, SparseAlgorithm, register
 from sparseserve.sparse.keycodes import KeyCodes, pack_codes
 
@@ -99,6 +101,11 @@ class KeyCodeSparQ(SparseAlgorithm):
     decode_asm = None    # sparq_tiles' bf16x2 decode on the GPU (None: env)
     select_splits = None  # score programs per row (None: select_pages' heuristic / env)
     select_warps = None  # warps per select program (None: select_pages' choice / env)
+    # records interleaved in chunks of this many pages (``sparq_records.interleave``): None,
+    # the page ids' allocation chunk (make_summaries' ``page_chunk``: 16 host pages with the
+    # two-tier cache) for summaries on CUDA, else 1; an int forces it (tests, benchmarks)
+    interleave = None
+    indexes_apart = True  # index() takes write_ids: no scratch table (its rows would be pages)
     from_token_logits = KeyCodes.from_token_logits
 
     def decoded_channels(self, head_dim: int) -> int:
@@ -122,11 +129,23 @@ class KeyCodeSparQ(SparseAlgorithm):
         return {"codes": torch.int32, "kmean": torch.int8, "kscale": torch.float32,
                 "wsum": torch.float32}  # rec: the KV dtype (its box's), read as int32 words
 
-    def make_summaries(self, rows, head_dim, dtype=torch.float32, device=None):
+    def make_summaries(self, rows, head_dim, dtype=torch.float32, device=None, page_chunk=1):
+        """The records' rows are rounded up to a multiple of the interleave (``interleave``):
+        the scratch row stays row ``rows - 1`` of every summary."""
         shapes, dts = self.summary_shapes(head_dim, dtype.itemsize), self.summary_dtypes()
-        return LayerSummaries({n: torch.zeros((rows, math.prod(s)), dtype=dts.get(n, dtype),
+        ri = self.record_interleave(torch.device(device or "cpu"), page_chunk)
+        return LayerSummaries({n: torch.zeros((-(-rows // ri) * ri if n == "rec" else rows,
+                                               math.prod(s)), dtype=dts.get(n, dtype),
                                               device=device)
-                               for n, s in shapes.items()}, shapes)
+                               for n, s in shapes.items()}, shapes, interleave=ri)
+
+    def record_interleave(self, device: torch.device, page_chunk: int) -> int:
+        """Pages per interleaved chunk of the records (``interleave``; 1 without records)."""
+        if not self.records:
+            return 1
+        if self.interleave is not None:
+            return max(1, int(self.interleave))
+        return page_chunk if device.type == "cuda" else 1
 
     def summary_bytes_per_page(self, head_dim, element_size):
         dts = self.summary_dtypes()
@@ -134,10 +153,18 @@ class KeyCodeSparQ(SparseAlgorithm):
                    for n, s in self.summary_shapes(head_dim, element_size).items())
 
     def views(self, summaries) -> dict[str, torch.Tensor | None]:
-        """Either layout as the first layout's tensors (no copies): ``kmin``, ``kmax`` [S, D],
-        ``codes`` [S, D, page_size / 16] int32, ``wsum`` [S, D] fp32 (strided views of the
-        records in the record layout), ``kmean``, ``kscale``, and ``rec`` [S, D * NR] int32
-        (the records as words; None in the first layout)."""
+        """Either layout as the first layout's tensors: ``kmin``, ``kmax`` [S, D], ``codes``
+        [S, D, page_size / 16] int32, ``wsum`` [S, D] fp32 (strided views of the records in
+        the record layout), ``kmean``, ``kscale``, and ``rec`` [S, D * NR] int32 (the records
+        as words; None in the first layout). Interleaved records (``summaries.interleave`` >
+        1) are de-interleaved into a copy first: right for reading (the references, the
+        generic path), not for writing — the kernels read them in place (``_kernel_views``)."""
+        return self._kernel_views(summaries, plain=True)
+
+    def _kernel_views(self, summaries, plain: bool = False) -> dict[str, torch.Tensor | None]:
+        """``views`` without the de-interleaving copy: with interleaved records, the record
+        views address a page's records as if in its row — only for kernels given
+        ``rec_interleave`` = ``summaries.interleave``, which address them by it."""
         kmean, kscale = summaries["kmean"], summaries["kscale"]
         d = kmean.shape[1]
         if not self.records:
@@ -147,15 +174,19 @@ class KeyCodeSparQ(SparseAlgorithm):
                     "kmean": kmean, "kscale": kscale, "rec": None}
         rec = summaries["rec"]
         words = rec.view(torch.int32)
+        if plain and summaries.interleave > 1:
+            words = deinterleave(words, words.shape[1] // d, summaries.interleave)
         return dict(record_views(words, rec.dtype, d, self.page_size), kmean=kmean,
                     kscale=kscale, rec=words)
 
-    def index(self, k_cache, page_ids, num_tokens, summaries, queries):
+    def index(self, k_cache, page_ids, num_tokens, summaries, queries, write_ids=None):
         """keycode2's box and codes (the same numbers, channel-major), the int8 mean, and the
         page's width sum marked not yet known; the box, codes and width as whole records in
-        the record layout."""
+        the record layout (where ``summaries.interleave`` puts them). Page ``page_ids[i]``'s
+        summary goes to row ``write_ids[i]`` when given (``indexes_apart``)."""
         live = page_ids >= 0
-        rows = torch.where(live, page_ids, summaries["kmean"].shape[0] - 1).long()  # -> scratch
+        dest = page_ids if write_ids is None else write_ids
+        rows = torch.where(live, dest, summaries["kmean"].shape[0] - 1).long()  # -> scratch
         k = k_cache[torch.where(live, page_ids, 0).long()].float()   # [N, ps, D]
         n, ps, d = k.shape
         ok = torch.arange(ps, device=k.device).view(1, -1, 1) < num_tokens.view(-1, 1, 1)
@@ -171,9 +202,13 @@ class KeyCodeSparQ(SparseAlgorithm):
         summaries["kmean"][rows] = (mean / amax * 127).round().to(summaries["kmean"].dtype)
         if self.records:
             rec = summaries["rec"]
-            packed = pack_records(lo.to(rec.dtype), hi.to(rec.dtype), words.view(n, d, -1),
-                                  rec.view(torch.int32).shape[1] // d)
-            rec[rows] = packed.view(rec.dtype)
+            nr = rec.view(torch.int32).shape[1] // d
+            packed = pack_records(lo.to(rec.dtype), hi.to(rec.dtype), words.view(n, d, -1), nr)
+            if summaries.interleave == 1:
+                rec[rows] = packed.view(rec.dtype)
+            else:  # index_copy_: no CPU scalar or host sync (capturable)
+                offs = record_word_offsets(rows, d, nr, summaries.interleave)
+                rec.view(torch.int32).view(-1).index_copy_(0, offs.view(-1), packed.view(-1))
             return
         summaries["kmin"][rows] = lo.to(summaries["kmin"].dtype)
         summaries["kmax"][rows] = hi.to(summaries["kmax"].dtype)
@@ -227,17 +262,23 @@ class KeyCodeSparQ(SparseAlgorithm):
 
     def select_kernel(self, q, page_table, num_pages, last_page_len, summaries, backend=None):
         """The fused path's kernels on ``backend`` (benchmarks time it directly) -> pages,
-        num_sel, blocks as ``kernels.select_pages`` returns them."""
-        v = self.views(summaries)
-        ch = sparq_channels(q, v["kmin"], v["kmax"], v["wsum"], page_table, num_pages,
-                            self.decoded_channels(q.shape[-1]), backend=backend)
+        num_sel, blocks as ``kernels.select_pages`` returns them. Interleaved records are read
+        in place by the Triton kernels; the torch references get them de-interleaved."""
+        r = self.decoded_channels(q.shape[-1])
+        ri = summaries.interleave
+        if ri > 1 and (resolve_backend(backend, q) == "torch"
+                       or not sparq_supported(r, q.shape[-1], self.page_size * q.shape[-1] // 16)):
+            ri = 1
+        v = self._kernel_views(summaries, plain=ri == 1)
+        ch = sparq_channels(q, v["kmin"], v["kmax"], v["wsum"], page_table, num_pages, r,
+                            backend=backend, rec_interleave=ri)
         return select_pages(q, v["kmin"], v["kmax"], page_table, num_pages, last_page_len,
                             self.budget_pages, self.sink_pages, self.local_pages,
                             backend=backend, num_splits=self.select_splits,
                             num_warps=self.select_warps, codes=v["codes"],
                             bits=2, kmean=v["kmean"], kscale=v["kscale"], sparq_chan=ch,
                             sparq_kernel=self.score_kernel, sparq_asm=self.decode_asm,
-                            sparq_rec=v["rec"])
+                            sparq_rec=v["rec"], rec_interleave=ri)
 
     def select_bytes_per_page(self, head_dim: int, element_size: int,
                               sectors: bool = False) -> float:

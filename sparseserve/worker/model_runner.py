@@ -108,7 +108,8 @@ class ModelRunner(SamplingStep):
         self.sparse = None
         if cfg.sparse.enabled:
             self.sparse = SparseRuntime(cfg.sparse, self.num_layers, num_ids, self.page_size,
-                                        mc.head_dim, self.dtype, self.device)
+                                        mc.head_dim, self.dtype, self.device,
+                                        cfg.cache.chunk_pages)
         self.keep_logits = False  # evaluation: return each step's logits in RunnerOutput
         # the last sampled tokens on the device and each request's index in them: the inputs
         # of the next launch's pending decode rows (async scheduling, pending_step.py)
@@ -330,7 +331,8 @@ class ModelRunner(SamplingStep):
         """A fresh sparse runtime for `cfg` shaped for this runner (summaries of every page,
         empty), to swap in with `hooked(sparse=...)`."""
         return SparseRuntime(cfg, self.num_layers, self.cfg.cache.num_pages, self.page_size,
-                             self.cfg.model.head_dim, self.dtype, self.device)
+                             self.cfg.model.head_dim, self.dtype, self.device,
+                             self.cfg.cache.chunk_pages)
 
     _KEEP = object()
 

@@ -10,7 +10,10 @@ from sparseserve.sparse import LayerSummaries, SparseAlgorithm, get_algorithm_cl
 
 class SparseRuntime:
     def __init__(self, cfg: SparseConfig, num_layers: int, num_pages: int, page_size: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device,
+                 page_chunk: int = 1) -> None:
+        """page_chunk: the page ids' allocation runs (CacheConfig.chunk_pages), which a
+        summary layout may interleave (SparseAlgorithm.make_summaries)."""
         cls = get_algorithm_class(cfg.algorithm)
         self.algorithm: SparseAlgorithm = cls(page_size, cfg.token_budget // page_size,
                                               cfg.sink_pages, cfg.local_pages)
@@ -20,7 +23,7 @@ class SparseRuntime:
         # algorithm's own row shape (SparseAlgorithm.summary_shapes)
         self.summaries: list[LayerSummaries | None] = [
             None if layer < cfg.dense_layers else
-            self.algorithm.make_summaries(num_pages + 1, head_dim, dtype, device)
+            self.algorithm.make_summaries(num_pages + 1, head_dim, dtype, device, page_chunk)
             for layer in range(num_layers)]
 
     def is_sparse(self, layer: int) -> bool:
