@@ -133,15 +133,18 @@ class KeyCodeSparQ(SparseAlgorithm):
         """The records' rows are rounded up to a multiple of the interleave (``interleave``):
         the scratch row stays row ``rows - 1`` of every summary."""
         shapes, dts = self.summary_shapes(head_dim, dtype.itemsize), self.summary_dtypes()
-        ri = self.record_interleave(torch.device(device or "cpu"), page_chunk)
+        ri = self.record_interleave(torch.device(device or "cpu"), page_chunk, dtype.itemsize)
         return LayerSummaries({n: torch.zeros((-(-rows // ri) * ri if n == "rec" else rows,
                                                math.prod(s)), dtype=dts.get(n, dtype),
                                               device=device)
                                for n, s in shapes.items()}, shapes, interleave=ri)
 
-    def record_interleave(self, device: torch.device, page_chunk: int) -> int:
-        """Pages per interleaved chunk of the records (``interleave``; 1 without records)."""
-        if not self.records:
+    def record_interleave(self, device: torch.device, page_chunk: int,
+                          element_size: int) -> int:
+        """Pages per interleaved chunk of the records (``interleave``); 1 without records or
+        with records the score phases do not load whole (other than 4 words: fp32 KV at page
+        32, page 64), whose kernels read them through strided views."""
+        if not self.records or record_words(element_size, self.page_size) != 4:
             return 1
         if self.interleave is not None:
             return max(1, int(self.interleave))
