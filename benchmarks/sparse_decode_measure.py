@@ -48,8 +48,8 @@ def build_pool(torch, s, device, dtype, ctx, bmax, names):
                 raise ValueError(f"{name}: {base} has no attribute {key!r}")
             setattr(alg, key, val)
         # variants of one algorithm share its summaries, unless their layouts differ
-        # (keycode2-sparq@records=0: the first layout)
-        key = (base, getattr(alg, "records", None))
+        # (keycode2-sparq@records=0: the first layout; @interleave=1: records in their rows)
+        key = (base, getattr(alg, "records", None), getattr(alg, "interleave", None))
         if key not in built:
             summ = alg.make_summaries(P + 1, d, dtype, device, chunk)
             for i in range(0, P, INDEX_CHUNK):
