@@ -26,6 +26,11 @@ Bytes per page at D 128, page 32: bf16 ``NR`` 4 (16 B a record): 2,048 B of reco
 int8 mean and its scale (132 B) = 2,180 B, exactly the first layout's (the width sums fill the
 padding); fp32 KV or page 16 / 64 pad (NR 8, 8-word records at fp32 page 32).
 
+Interleaved (``interleave``): the same records in chunks of RI pages, channel-major within a
+chunk — record (p, c) at word ``((p // RI) * D + c) * RI * NR + (p % RI) * NR`` — so that one
+channel's records of a chunk's pages are contiguous; kernels address either layout through
+``sparq_tiles.rec_elem`` given the un-interleaved views' strides and RI.
+
 ``record_views`` gives the first layout's tensors as strided views of the records, so every
 reference and the generic kernels read either layout through channel strides; the fused
 select's score phases (``sparq_stream``, ``sparq_tiles``) load whole records where ``NR`` is 4.

@@ -19,7 +19,11 @@ tests/sparse/test_keycode_sparq.py holds its scores equal to the variant's.
 Summaries per page and KV head. **Records** (the default; ``kernels/sparq_records.py``): ``rec``
 [D records of NR int32 words, allocated in the KV dtype] -- per channel its ``kmin``, ``kmax``,
 code words and width sum in 16 bytes (bf16, page 32), so a select's R chosen channels cost one
-record each -- plus ``kmean`` and ``kscale``. ``records = False`` (``keycode2-sparq@records=0``)
+record each -- plus ``kmean`` and ``kscale``. On CUDA with the two-tier cache (host pages in
+aligned chunks of 16 per request and KV head) the records are **interleaved** per chunk,
+channel-major (``sparq_records.interleave``, ``LayerSummaries.interleave``): a chosen channel
+of a 16-page sub-tile is one contiguous 256-byte run instead of 16 pieces of 16 bytes, each a
+64-byte DRAM burst (docs/results/sparse.md, twenty-sixth session: 0.128x -> 0.115x dense). ``records = False`` (``keycode2-sparq@records=0``)
 keeps the first layout, the same numbers in separate rows (``kernels/ref_sparq.py``); ``views``
 gives either as the first layout's tensors (the records' as strided views), and every kernel
 and reference reads them through channel strides, so both layouts select the same pages:
