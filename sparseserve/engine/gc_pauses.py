@@ -1,24 +1,22 @@
-"""Python's garbage collector on the serving hot path: freeze the start-up heap, and time the
-collector's pauses.
+"""Python's garbage collector on the serving hot path: freeze the start-up heap of a serving
+process, and time the collector's pauses.
 
 Why. A full (generation 2) collection walks every tracked object. After start-up the heap
 holds the model's modules and parameters, the CUDA graphs' Python state, Triton's caches, the
-tokenizer, ... — hundreds of thousands of objects that live as long as the engine. A step
-allocates thousands of small objects (requests' lists, step arrays, tensors' wrappers), so
-generation 2 comes due every few steps, and each time the host stops for milliseconds in the
-middle of a step while the GPU drains its queue: on the H100 an 8k prompt's last layer-segment
-step idled 10-12 ms in one gap of 77-81 ms (docs/results/engine.md, twenty-sixth session).
-``gc.freeze()`` moves everything alive at that point to a permanent generation the collector
-never scans (vLLM and SGLang do the same after start-up); later garbage is still collected.
+tokenizer, ... — 342k objects with the embedded SmolLM2, whose full collection takes 122 ms on
+the 2-core CPU machine. A long-running server promotes request state to the old generation
+step after step, so full collections come due now and then, each a pause of the engine loop
+in the middle of serving. ``gc.freeze()`` moves everything alive at that point to a permanent
+generation the collector never scans (vLLM and SGLang do the same after start-up); later
+garbage is still collected.
+
+Only processes that serve one engine for their whole life freeze (``sparseserve serve``'s
+in-process engine, its engine process, each tensor-parallel rank): frozen objects in reference
+cycles are never collected, so an offline ``LLM`` that a script drops and replaces (tests,
+benchmarks, the vLLM habit ``del llm; gc.collect()``) must stay collectable.
 
 Contract:
-* ``freeze_startup_heap()``: once the engine (or a tensor-parallel rank) is built: collect,
-  then freeze what is left. A second engine in the same process unfreezes the first one's
-  objects, collects the dead ones and freezes what is alive.
-* ``release_startup_heap()``: an engine's shutdown hands the frozen objects back to the
-  collector (``gc.unfreeze()``): frozen objects in reference cycles are never collected, and a
-  process that builds engines one after another (benchmarks, tests) must get the last one's
-  memory back. The next engine freezes again.
+* ``freeze_startup_heap()``: collect what start-up left behind, then freeze the survivors.
 * ``GC_PAUSES``: seconds the collector ran (``total_s``) and collections per generation
   (``collections``), counted from ``install()`` on — benchmarks read differences around a step.
 """
@@ -29,17 +27,9 @@ import time
 
 
 def freeze_startup_heap() -> None:
-    """Collect what start-up left behind, then exempt the survivors from later collections.
-    Whatever an earlier engine of this process froze is unfrozen first and collected with
-    the rest if it died since (tests build hundreds of engines without shutting them down)."""
-    gc.unfreeze()
+    """Collect what start-up left behind, then exempt the survivors from later collections."""
     gc.collect()
     gc.freeze()
-
-
-def release_startup_heap() -> None:
-    """Frozen objects become collectable again (engine shutdown)."""
-    gc.unfreeze()
 
 
 class GcPauses:

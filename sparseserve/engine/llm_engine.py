@@ -8,7 +8,6 @@ from typing import Any
 
 from sparseserve.engine.args import EngineArgs
 from sparseserve.engine.detokenizer import IncrementalDetokenizer
-from sparseserve.engine.gc_pauses import freeze_startup_heap, release_startup_heap
 from sparseserve.engine.output_processing import OutputProcessing, ParentRequest
 from sparseserve.engine.scheduler import Scheduler
 from sparseserve.kernels.compile_watch import WATCH as COMPILES
@@ -58,7 +57,6 @@ class LLMEngine(OutputProcessing):
             self._drain()
             self.step_count = 0
             COMPILES.arm()  # a compile from here on lands in a request: warned about
-        freeze_startup_heap()  # no full collection walks the start-up heap mid-step
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -289,7 +287,6 @@ class LLMEngine(OutputProcessing):
         process close the two-tier cache's transfer threads (idempotent; the engine cannot
         step afterwards)."""
         self.executor.shutdown()
-        release_startup_heap()  # a dropped engine is collectable, reference cycles and all
 
 
 def child_seed(seed: int, index: int) -> int:

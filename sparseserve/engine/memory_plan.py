@@ -179,25 +179,33 @@ def kv_page_bytes(cfg: EngineConfig) -> int:
     return 2 * layers * cfg.cache.page_size * d * e
 
 
+def _sparse_algorithm(cfg: EngineConfig):
+    from sparseserve.sparse import get_algorithm_class
+    sp, ps = cfg.sparse, cfg.cache.page_size
+    return get_algorithm_class(sp.algorithm)(ps, sp.token_budget // ps, sp.sink_pages,
+                                             sp.local_pages)
+
+
 def summary_row_bytes(cfg: EngineConfig) -> int:
     """Summary bytes of one page of one layer (0 without sparse attention)."""
     if not cfg.sparse.enabled:
         return 0
-    from sparseserve.sparse import get_algorithm_class
-    sp, ps = cfg.sparse, cfg.cache.page_size
-    algo = get_algorithm_class(sp.algorithm)(ps, sp.token_budget // ps, sp.sink_pages,
-                                             sp.local_pages)
     _, _, d, e = _rank_shape(cfg)
-    return algo.summary_bytes_per_page(d, e)
+    return _sparse_algorithm(cfg).summary_bytes_per_page(d, e)
 
 
 def summary_bytes(cfg: EngineConfig) -> int:
-    """worker/sparse_runtime.py: per sparse layer one row per page id + a scratch row; page
-    ids are host pages with the two-tier cache, device pages without."""
+    """worker/sparse_runtime.py: per sparse layer one row per page id + a scratch row (page
+    ids are host pages with the two-tier cache, device pages without), as the algorithm lays
+    them out (keycode2-sparq pads its interleaved records to whole page chunks)."""
+    if not cfg.sparse.enabled:
+        return 0
     c = cfg.cache
     ids = c.num_host_pages if c.kv_offload else c.num_pages
     sparse_layers = cfg.model.num_hidden_layers - cfg.sparse.dense_layers
-    return sparse_layers * (ids + 1) * summary_row_bytes(cfg)
+    _, _, d, e = _rank_shape(cfg)
+    return sparse_layers * _sparse_algorithm(cfg).summary_bytes(
+        ids + 1, d, e, cfg.device, c.chunk_pages)
 
 
 def metadata_bytes(cfg: EngineConfig) -> dict[str, int]:

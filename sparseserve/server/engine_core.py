@@ -45,10 +45,12 @@ def run_engine_core(engine_args: Any, cmd_conn: Any, out_conn: Any,
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s (engine): %(message)s")
     try:
+        from sparseserve.engine.gc_pauses import freeze_startup_heap
         from sparseserve.engine.llm_engine import LLMEngine
         from sparseserve.server.engine_info import EngineInfo
 
         engine = LLMEngine.from_engine_args(engine_args)
+        freeze_startup_heap()  # this process serves one engine until it exits
         out_conn.send(("ready", EngineInfo.of(engine), engine.get_stats()))
     except BaseException as e:  # noqa: BLE001 - the front end reports it and exits
         logger.exception("the engine did not start")

@@ -108,6 +108,7 @@ def run_serve(args: argparse.Namespace) -> int:
               "pip install 'sparseserve[server]'", file=sys.stderr)
         return 2
     from sparseserve.engine.args import EngineArgs
+    from sparseserve.engine.gc_pauses import freeze_startup_heap
     from sparseserve.engine.llm_engine import LLMEngine
     from sparseserve.server.api import create_app
 
@@ -133,6 +134,9 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.getLogger("sparseserve.server").info(
         "serving %s (max_model_len %d) on http://%s:%d%s", ctx.served_model_names, ctx.max_model_len,
         args.host, args.port, " with an API key" if api_key else "")
+    # this process serves this app (and, with --no-engine-process, its engine) until it exits:
+    # no full collection walks the start-up heap mid-serving (engine/gc_pauses.py)
+    freeze_startup_heap()
     return serve_app(app, args.host, args.port, log_level=args.uvicorn_log_level,
                      graceful_timeout_s=args.shutdown_timeout)
 

@@ -168,6 +168,12 @@ class SparseAlgorithm:
                                               device=device)
                                for n, s in shapes.items()}, shapes)
 
+    def summary_bytes(self, rows: int, head_dim: int, element_size: int,
+                      device_type: str = "cpu", page_chunk: int = 1) -> int:
+        """Bytes of one layer's summaries as ``make_summaries`` allocates them for ``rows``
+        rows on a ``device_type`` device (a layout may pad, e.g. to whole page chunks)."""
+        return rows * self.summary_bytes_per_page(head_dim, element_size)
+
     def summary_bytes_per_page(self, head_dim: int, element_size: int) -> int:
         """Summary bytes one page costs (``element_size``: the KV dtype's)."""
         dts = self.summary_dtypes()

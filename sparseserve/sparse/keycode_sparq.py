@@ -83,6 +83,7 @@ from sparseserve.kernels.ref import mass_from_bounds
 from sparseserve.kernels.ref_sparq import unpack_channel_codes
 from sparseserve.kernels.sparq_records import (deinterleave, pack_records, record_views,
                                                record_word_offsets, record_words)
+from sparseserve.kernels.sparq_tiles import SPARQ_KERNEL
 from sparseserve.sparse.base import LayerSummaries, Selection, SparseAlgorithm, register
 from sparseserve.sparse.keycodes import KeyCodes, pack_codes
 
@@ -147,12 +148,24 @@ class KeyCodeSparQ(SparseAlgorithm):
                           element_size: int) -> int:
         """Pages per interleaved chunk of the records (``interleave``); 1 without records or
         with records the score phases do not load whole (other than 4 words: fp32 KV at page
-        32, page 64), whose kernels read them through strided views."""
+        32, page 64), whose kernels read them through strided views. By default only where
+        the select is the fused one with a score phase that loads records whole (2-4): the
+        generic path and ``sparq_codes`` read rows, and would de-interleave a copy per call."""
         if not self.records or record_words(element_size, self.page_size) != 4:
             return 1
         if self.interleave is not None:
             return max(1, int(self.interleave))
-        return page_chunk if device.type == "cuda" else 1
+        version = SPARQ_KERNEL if self.score_kernel is None else self.score_kernel
+        fused = self.fused_select and type(self).score is KeyCodeSparQ.score
+        return page_chunk if device.type == "cuda" and fused and version in (2, 3, 4) else 1
+
+    def summary_bytes(self, rows, head_dim, element_size, device_type="cpu", page_chunk=1):
+        """``make_summaries``' bytes: the records' rows rounded up to whole chunks."""
+        ri = self.record_interleave(torch.device(device_type), page_chunk, element_size)
+        pad = -(-rows // ri) * ri - rows
+        rec = math.prod(self.summary_shapes(head_dim, element_size)["rec"]) * element_size \
+            if self.records else 0
+        return rows * self.summary_bytes_per_page(head_dim, element_size) + pad * rec
 
     def summary_bytes_per_page(self, head_dim, element_size):
         dts = self.summary_dtypes()
@@ -273,9 +286,10 @@ class KeyCodeSparQ(SparseAlgorithm):
         in place by the Triton kernels; the torch references get them de-interleaved."""
         r = self.decoded_channels(q.shape[-1])
         ri = summaries.interleave
-        if ri > 1 and (resolve_backend(backend, q) == "torch"
+        version = SPARQ_KERNEL if self.score_kernel is None else self.score_kernel
+        if ri > 1 and (resolve_backend(backend, q) == "torch" or version not in (2, 3, 4)
                        or not sparq_supported(r, q.shape[-1], self.page_size * q.shape[-1] // 16)):
-            ri = 1
+            ri = 1  # paths that read the records through their row views (or not whole)
         v = self._kernel_views(summaries, plain=ri == 1)
         ch = sparq_channels(q, v["kmin"], v["kmax"], v["wsum"], page_table, num_pages, r,
                             backend=backend, rec_interleave=ri)

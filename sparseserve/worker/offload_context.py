@@ -187,6 +187,10 @@ class OffloadForwardContext(ForwardContext):
             # it writes page i's summary at host_ids[i] itself: no scratch table, no copies
             algo.index(k_pages, read_ids, ntok, summaries, None, write_ids=host_ids)
             return
+        # the scratch table's rows are pages, and so are the copies below: a layout that
+        # interleaves pages' rows writes in place instead (indexes_apart)
+        assert summaries.interleave == 1, f"{type(algo).__name__}: interleaved summaries " \
+            "need indexes_apart (index(write_ids=))"
         scratch = LayerSummaries(_zeros_like_rows(tensors, n + 1), summaries.shapes)
         values = {"v_cache": v_pages} if algo.uses_values else {}
         algo.index(k_pages, read_ids, ntok, scratch, queries if algo.uses_queries else None,

@@ -1,11 +1,13 @@
-"""engine/gc_pauses.py: an engine freezes what start-up left alive (no full collection walks
-it mid-step), gives it back at shutdown (a dropped engine is collectable), and the pause
-counter sees the collector run."""
+"""engine/gc_pauses.py: a serving process freezes what start-up left alive (no full
+collection walks it mid-serving); an offline LLM does not (a dropped engine must stay
+collectable); the pause counter sees the collector run."""
+import argparse
 import gc
 import weakref
 
 from sparseserve import LLM
-from sparseserve.engine.gc_pauses import GcPauses
+from sparseserve.engine import gc_pauses
+from sparseserve.engine.gc_pauses import GcPauses, freeze_startup_heap
 
 
 class _Cycle:
@@ -13,26 +15,60 @@ class _Cycle:
         self.me = self
 
 
-def test_engine_freezes_its_startup_heap_and_releases_it_at_shutdown(tiny_model_dirs):
+def test_freeze_exempts_the_survivors_and_collects_the_dead_first():
+    gc.unfreeze()
+    dead_before, alive = _Cycle(), _Cycle()
+    gone = weakref.ref(dead_before)
+    del dead_before
+    frozen = weakref.ref(alive)
+    try:
+        freeze_startup_heap()
+        assert gone() is None  # collected before the freeze
+        assert gc.get_freeze_count() > 0
+        assert not any(o is alive for o in gc.get_objects())
+        del alive
+        gc.collect()
+        assert frozen() is not None  # frozen: a cycle that dies later is not collected
+    finally:
+        gc.unfreeze()
+    gc.collect()
+    assert frozen() is None
+
+
+def test_an_offline_engine_stays_collectable(tiny_model_dirs):
     path, _ = tiny_model_dirs["llama-gqa"]
     gc.unfreeze()
-    before = _Cycle()  # alive at start-up, in a reference cycle
-    dead = weakref.ref(before)
     llm = LLM(path, device="cpu", dtype="float32", page_size=16, max_model_len=320)
-    try:
-        # the engine's modules, parameters, ... are exempt from collections now
-        assert gc.get_freeze_count() > 1000
-        assert not any(o is before for o in gc.get_objects(generation=2))
-        del before
-        gc.collect()
-        assert dead() is not None  # frozen: a cycle that dies later stays until shutdown
-        out = llm.generate({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) > 0
-    finally:
-        llm.engine.shutdown()
     assert gc.get_freeze_count() == 0
+    engine = weakref.ref(llm.engine)
+    del llm
     gc.collect()
-    assert dead() is None  # shut down: the cycle is collected
+    assert engine() is None
+
+
+def test_the_server_freezes_after_building_its_engine(tiny_model_dirs, monkeypatch):
+    from sparseserve.server import serve_cli
+
+    path, _ = tiny_model_dirs["llama-gqa"]
+    seen = {}
+
+    def fake_serve_app(app, host, port, **kw):  # the app is built: do not listen
+        seen["served"] = app
+        return 0
+
+    def counted_freeze():
+        seen["freeze_before_serving"] = "served" not in seen
+        gc.collect()  # as freeze_startup_heap, without freezing this test process
+
+    monkeypatch.setattr(serve_cli, "serve_app", fake_serve_app)
+    monkeypatch.setattr(gc_pauses, "freeze_startup_heap", counted_freeze)
+    parser = argparse.ArgumentParser()
+    serve_cli.add_serve_args(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", path, "--device", "cpu", "--dtype", "float32",
+                              "--max-model-len", "320", "--page-size", "16",
+                              "--no-engine-process"])  # the engine process freezes its own
+    assert serve_cli.run_serve(args) == 0
+    assert seen["freeze_before_serving"] is True and "served" in seen
 
 
 def test_pause_counter_times_every_generation():
@@ -45,19 +81,3 @@ def test_pause_counter_times_every_generation():
         assert pauses.total_s > 0
     finally:
         gc.callbacks.remove(pauses._callback)
-
-
-def test_a_second_engine_collects_what_died_under_the_first_ones_freeze(tiny_model_dirs):
-    path, _ = tiny_model_dirs["llama-gqa"]
-    kw = dict(device="cpu", dtype="float32", page_size=16, max_model_len=320)
-    first = LLM(path, **kw)
-    c = _Cycle()
-    LLM(path, **kw)  # freezes c with the rest of the heap ...
-    dead = weakref.ref(c)
-    del c
-    gc.collect()
-    assert dead() is not None
-    second = LLM(path, **kw)  # ... and a later engine collects it once it is dead
-    assert dead() is None
-    second.engine.shutdown()
-    first.engine.shutdown()

@@ -116,3 +116,47 @@ def test_forced_offload_with_interleaved_records_equals_resident(model_dir, monk
     stats = llm.engine.get_stats()
     assert stats["cache_misses_total"] > 0 and stats["cache_hits_total"] > 0
     llm.engine.check_invariants()
+
+
+def test_the_layout_is_interleaved_only_where_the_kernels_read_it_whole():
+    cuda = torch.device("cuda")  # a device object: no GPU needed to decide the layout
+    a = KeyCodeSparQ(PS, 8, 1, 2)
+    assert a.record_interleave(cuda, 16, 2) == 16          # the engine's default on CUDA
+    assert a.record_interleave(torch.device("cpu"), 16, 2) == 1
+    assert a.record_interleave(cuda, 1, 2) == 1             # all-resident: pages one by one
+    assert a.record_interleave(cuda, 16, 4) == 1            # fp32 records (8 words) at page 32
+    for attr, val in (("score_kernel", 1), ("fused_select", False), ("records", False)):
+        b = KeyCodeSparQ(PS, 8, 1, 2)
+        setattr(b, attr, val)
+        assert b.record_interleave(cuda, 16, 2) == 1, attr
+
+
+@pytest.mark.parametrize("rows", [1, 17, 97])
+def test_planned_summary_bytes_count_the_padding(rows):
+    a = _alg(16)
+    s = a.make_summaries(rows, D, torch.bfloat16)
+    allocated = sum(t.numel() * t.element_size() for t in s.tensors.values())
+    assert a.summary_bytes(rows, D, 2) == allocated
+    assert allocated > rows * a.summary_bytes_per_page(D, 2) or rows % 16 == 0
+
+
+def test_score_phase_one_reads_interleaved_records_through_rows():
+    """sparq_codes (score_kernel 1) reads records through their row views: the select falls
+    back to a de-interleaved copy and still picks the rows layout's pages."""
+    B, Hkv, G, n = 1, 2, 4, 40
+    P = B * Hkv * 48
+    k, g = _keys(P, 5)
+    table = torch.randperm(P, generator=g)[:B * Hkv * n].view(B, Hkv, n).to(torch.int32)
+    q = torch.randn(B, Hkv * G, D, generator=g).to(torch.bfloat16)
+    num = torch.full((B, Hkv), n, dtype=torch.int32)
+    last = torch.full((B,), PS, dtype=torch.int32)
+    got = []
+    for ri in (1, 16):
+        a = _alg(ri)
+        a.score_kernel = 1
+        s = a.make_summaries(P + 1, D, torch.bfloat16)
+        a.index(k, torch.arange(P, dtype=torch.int32), torch.full((P,), PS, dtype=torch.int32),
+                s, None)
+        got.append(a.select_kernel(q, table, num, last, s, backend="triton"))
+    for x, y in zip(*got):
+        assert torch.equal(x, y)
