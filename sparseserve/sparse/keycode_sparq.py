@@ -155,9 +155,15 @@ class KeyCodeSparQ(SparseAlgorithm):
             return 1
         if self.interleave is not None:
             return max(1, int(self.interleave))
-        version = SPARQ_KERNEL if self.score_kernel is None else self.score_kernel
         fused = self.fused_select and type(self).score is KeyCodeSparQ.score
-        return page_chunk if device.type == "cuda" and fused and version in (2, 3, 4) else 1
+        whole = fused and self._score_phase_reads_records_whole()
+        return page_chunk if device.type == "cuda" and whole else 1
+
+    def _score_phase_reads_records_whole(self) -> bool:
+        """The fused select's score phase loads whole records (``sparq_tiles`` /
+        ``sparq_stream``: 2-4), where the interleave's addressing applies; ``sparq_codes``
+        (1) reads them through their row views."""
+        return (SPARQ_KERNEL if self.score_kernel is None else self.score_kernel) in (2, 3, 4)
 
     def summary_bytes(self, rows, head_dim, element_size, device_type="cpu", page_chunk=1):
         """``make_summaries``' bytes: the records' rows rounded up to whole chunks."""
@@ -286,8 +292,8 @@ class KeyCodeSparQ(SparseAlgorithm):
         in place by the Triton kernels; the torch references get them de-interleaved."""
         r = self.decoded_channels(q.shape[-1])
         ri = summaries.interleave
-        version = SPARQ_KERNEL if self.score_kernel is None else self.score_kernel
-        if ri > 1 and (resolve_backend(backend, q) == "torch" or version not in (2, 3, 4)
+        if ri > 1 and (resolve_backend(backend, q) == "torch"
+                       or not self._score_phase_reads_records_whole()
                        or not sparq_supported(r, q.shape[-1], self.page_size * q.shape[-1] // 16)):
             ri = 1  # paths that read the records through their row views (or not whole)
         v = self._kernel_views(summaries, plain=ri == 1)
