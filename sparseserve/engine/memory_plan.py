@@ -321,9 +321,11 @@ def graph_pool_bytes(cfg: EngineConfig) -> int:
     KV head's gathered K and V page and scratch summary row, and the logits in the model
     dtype and fp32 — plus every other graph's logits (kept as the graphs' outputs: with the
     two-tier cache two graphs per bucket, cuda_graphs.graph_variants), the static inputs and
-    GRAPH_POOL_SLACK; plus piecewise_pool_bytes. 0 when no graph is captured."""
+    GRAPH_POOL_SLACK; plus piecewise_pool_bytes and two_tier_graph_bytes. 0 when no graph is
+    captured."""
+    from sparseserve.engine.two_tier_graph_plan import two_tier_graph_bytes
     if not captures_decode_graphs(cfg):
-        return piecewise_pool_bytes(cfg)
+        return piecewise_pool_bytes(cfg) + two_tier_graph_bytes(cfg)
     from sparseserve.worker.cuda_graphs import batch_buckets, graph_variants
 
     mc, tp = cfg.model, cfg.parallel.tensor_parallel_size
@@ -338,7 +340,8 @@ def graph_pool_bytes(cfg: EngineConfig) -> int:
     sizes = batch_buckets(cfg.scheduler.max_num_seqs)
     graphs_rows = len(graph_variants(cfg.cache.kv_offload)) * sum(sizes)
     kept = (graphs_rows - sizes[-1]) * mc.vocab_size * 4
-    return sizes[-1] * (per_row + 3 * 8) + kept + GRAPH_POOL_SLACK + piecewise_pool_bytes(cfg)
+    return (sizes[-1] * (per_row + 3 * 8) + kept + GRAPH_POOL_SLACK + piecewise_pool_bytes(cfg)
+            + two_tier_graph_bytes(cfg))
 
 
 def plan_memory(cfg: EngineConfig, budget: int | None = None) -> MemoryPlan:

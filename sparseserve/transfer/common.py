@@ -156,6 +156,13 @@ class EventTicketSaver:
         side.wait_stream(torch.cuda.current_stream(device))
         return side
 
+    def issue(self, event, stats: TransferStats) -> int:
+        """A ticket for saves written outside `save` (the captured two-tier prefill layers,
+        worker/two_tier_graphs.py) and ordered like this saver's: `event` (None on CPU) is
+        recorded on the same side stream, after them. -> ticket."""
+        self._check_open()
+        return self._issue(event, None, stats)
+
     # subclasses call this at the end of save()
     def _issue(self, event, keepalive, stats: TransferStats) -> int:
         with self._lock:

@@ -35,6 +35,7 @@ from sparseserve.worker.sampler import Sampler
 from sparseserve.worker.sampling_step import SamplingStep
 from sparseserve.worker.sparse_runtime import SparseRuntime
 from sparseserve.worker.step_arrays import step_token_arrays
+from sparseserve.worker.two_tier_graphs import capture_two_tier_graphs
 
 logger = logging.getLogger("sparseserve")
 
@@ -128,6 +129,8 @@ class ModelRunner(SamplingStep):
         # CUDA graphs: whole decode steps, and the attention-free pieces of the other steps
         self.graphs, self.graph_error, self.piecewise, self.mixed = capture_runner_graphs(
             self, rows)
+        # and the two-tier cache's layer-segmented prompts, one graph per layer and bucket
+        self.two_tier = capture_two_tier_graphs(self)
         report_reserved(cfg.memory_plan, self.device)
 
     # ---- step -----------------------------------------------------------------------------
@@ -238,24 +241,19 @@ class ModelRunner(SamplingStep):
         h = self._initial_hidden(chunks, offsets, input_ids)
         for a, b in layer_intervals(chunks):
             active = [i for i, c in enumerate(chunks) if c.layer_start <= a and c.layer_end >= b]
-            if not active:
-                continue
-            if len(active) == len(chunks):
-                ctx = self._context(chunks, offsets, token_rows, positions)
-                ctx.begin_layers(a, b)
-                h = self._run_layers(h, positions, ctx, a, b)
-                ctx.finish_layers(a, b)
-                continue
-            sub = [chunks[i] for i in active]
-            idx_np = np.concatenate([np.arange(offsets[i], offsets[i] + chunks[i].num_tokens)
-                                     for i in active])
-            idx = to_device(idx_np, torch.long, dev)
-            sub_offsets = np.cumsum([0] + [c.num_tokens for c in sub])[:-1].tolist()
-            ctx = self._context(sub, sub_offsets, token_rows[idx], positions[idx],
-                                np_idx=idx_np)
-            ctx.begin_layers(a, b)
-            h[idx] = self._run_layers(h[idx], positions[idx], ctx, a, b)
-            ctx.finish_layers(a, b)
+            # a slot-free prompt's layer segment replays its layers' graphs, after the rest
+            tt = self._two_tier_chunk(chunks, active, h)
+            if tt is not None:
+                active.remove(tt)
+            if active:
+                h = self._run_group(h, chunks, offsets, active, positions, token_rows, a, b)
+            if tt is not None:
+                sl = slice(offsets[tt], offsets[tt] + chunks[tt].num_tokens)
+                out = self.two_tier.run(h[sl], chunks[tt], a, b)
+                if len(chunks) == 1:
+                    h = out
+                else:
+                    h[sl] = out
 
         for c, off in zip(chunks, offsets):
             if c.layer_end < self.num_layers:
@@ -268,6 +266,37 @@ class ModelRunner(SamplingStep):
         if not sampling_rows:
             return None
         return self.model.compute_logits(h[to_device(sampling_rows, torch.long, dev)])
+
+    def _run_group(self, h: torch.Tensor, chunks: list[ScheduledChunk], offsets: list[int],
+                   active: list[int], positions: torch.Tensor, token_rows: torch.Tensor,
+                   a: int, b: int) -> torch.Tensor:
+        """Layers [a, b) over the chunks `active` (indexes into chunks) in one context ->
+        the step's stream h with their rows updated."""
+        if len(active) == len(chunks):
+            ctx = self._context(chunks, offsets, token_rows, positions)
+            ctx.begin_layers(a, b)
+            h = self._run_layers(h, positions, ctx, a, b)
+            ctx.finish_layers(a, b)
+            return h
+        sub = [chunks[i] for i in active]
+        idx_np = np.concatenate([np.arange(offsets[i], offsets[i] + chunks[i].num_tokens)
+                                 for i in active])
+        idx = to_device(idx_np, torch.long, self.device)
+        sub_offsets = np.cumsum([0] + [c.num_tokens for c in sub])[:-1].tolist()
+        ctx = self._context(sub, sub_offsets, token_rows[idx], positions[idx], np_idx=idx_np)
+        ctx.begin_layers(a, b)
+        h[idx] = self._run_layers(h[idx], positions[idx], ctx, a, b)
+        ctx.finish_layers(a, b)
+        return h
+
+    def _two_tier_chunk(self, chunks: list[ScheduledChunk], active: list[int],
+                        h: torch.Tensor) -> int | None:
+        """The active chunk whose layers replay the two-tier prefill graphs
+        (worker/two_tier_graphs.py): a slot-free prompt on the fused path; None if none."""
+        tt = self.two_tier
+        if tt is None or not self.model.use_fused_ops(h):
+            return None
+        return next((i for i in active if tt.runs(chunks[i])), None)
 
     def _run_layers(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                     a: int, b: int) -> torch.Tensor:

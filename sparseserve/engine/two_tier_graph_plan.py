@@ -1,0 +1,46 @@
+"""Whether the runner captures the two-tier prefill graphs (worker/two_tier_graphs.py), their
+token buckets and what they hold in device memory (memory_plan.graph_pool_bytes adds it)."""
+from __future__ import annotations
+
+from sparseserve.config import EngineConfig
+
+
+def captures_two_tier_graphs(cfg: EngineConfig) -> bool:
+    """cudagraph_mode FULL on one CUDA device without enforce_eager, with the two-tier cache's
+    layer-segmented prefill (slot-free prompts), GPU-direct saves and a sparse algorithm (the
+    sparseserve preset); the other two-tier configurations keep their eager prefill."""
+    c = cfg.cache
+    return (cfg.device == "cuda" and not cfg.enforce_eager and cfg.cudagraph_mode == "FULL"
+            and cfg.parallel.tensor_parallel_size == 1 and c.kv_offload
+            and c.d2h_method == "gpu-direct" and cfg.sparse.enabled
+            and cfg.scheduler.max_inject_tokens is not None)
+
+
+def two_tier_graph_buckets(cfg: EngineConfig) -> list[int]:
+    """The cuDNN prefill plans' lengths (prefill_attention.bucket_lengths) up to the smaller of
+    the model length and two_tier_graphs.MAX_TOKENS."""
+    from sparseserve.worker.prefill_attention import bucket_lengths
+    from sparseserve.worker.two_tier_graphs import MAX_TOKENS
+    return bucket_lengths(min(cfg.scheduler.max_model_len, MAX_TOKENS))
+
+
+def two_tier_graph_bytes(cfg: EngineConfig) -> int:
+    """Their static buffers (stream and residual [n, hidden], fp32 RoPE [n, 2, D], the plan:
+    (Hkv + 3) int64 per token, 12 bytes per (page, KV head), the slot table [L, Hkv, pages + 1]
+    int32) and their pool, which holds one layer's intermediates at the largest bucket n: qkv,
+    attention's padded q / k / v and output (twice: the reshape), the gathered pages' K, the
+    norms, O projection and residual [n, hidden] x 4, the MLP's gate/up [n, 2 I] and its
+    product [n, I]; 0 when none are captured."""
+    if not captures_two_tier_graphs(cfg):
+        return 0
+    from sparseserve.engine.memory_plan import DTYPE_BYTES
+    mc = cfg.model
+    n = two_tier_graph_buckets(cfg)[-1]
+    e = DTYPE_BYTES[cfg.dtype]
+    hkv, hq, d = mc.num_key_value_heads, mc.num_attention_heads, mc.head_dim
+    pages = -(-n // cfg.cache.page_size) + 1
+    static = (n * (2 * mc.hidden_size * e + 2 * d * 4 + (hkv + 3) * 8) + pages * hkv * 12
+              + mc.num_hidden_layers * hkv * pages * 4)
+    pool = n * e * (2 * (hq + 2 * hkv) * d + 2 * hq * d + hkv * d + 4 * mc.hidden_size
+                    + 3 * mc.intermediate_size)
+    return static + pool
