@@ -14,6 +14,7 @@ import triton
 
 from .page_select_kernel import _page_select_kernel
 from .ref_sparq import channel_major
+from .sparq_lanes import LANE_PAGES, lanes_supported
 from .sparq_records import rec_kind as rec_kind_of
 from .sparq_stream import STREAM_PAGES
 from .sparq_tiles import MAGIC_F32, SPARQ_ASM, SPARQ_KERNEL, TILE_PAGES
@@ -44,6 +45,9 @@ STREAM_PROGRAMS_PER_SM = 12
 # launch took 246.0 us against the stream's 259.8 (sparse.md, twenty-fourth session; measured
 # once: the default stays 3)
 LEAN_WARPS = 2
+# sparq_kernel=5 (sparq_lanes): warps score 16-page chunks independently; programs per SM
+# of the split heuristic (not tuned on a GPU yet)
+LANE_PROGRAMS_PER_SM = 12
 # ... and only for rows of more pages than this: a short row is scored in a few us by one
 # program, less than the split mode's second launch (light8 profile, fifteenth session: 2
 # launches of ~9 us per layer at 160-page rows). In pages, not chunks: chunks are 16 to 64
@@ -72,6 +76,14 @@ def _default_splits(q, rows: int, chunks: int, block_w: int,
     sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if q.is_cuda else CPU_SMS
     return max(1, min(chunks, triton.cdiv(per_sm * sms, rows), MAX_SPLITS))
+
+
+def _lanes_fit(rec_kind, page_size, channels, group, head_dim, kmean, rec) -> bool:
+    """``sparq_lanes``' configurations (``lanes_supported``) with its 16-byte vector loads
+    of the means and records aligned."""
+    return lanes_supported(rec_kind, page_size, channels, group, head_dim) \
+        and kmean.data_ptr() % 16 == 0 and kmean.stride(0) % 16 == 0 \
+        and rec.data_ptr() % 16 == 0
 
 
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
@@ -110,7 +122,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                        ``ref.sparq_page_bounds``); kmin / kmax / codes may be strided views
         sparq_kernel, sparq_asm: its score phase (3: ``sparq_stream``, 4: the same with
                        ``LEAN_WARPS`` warps per split score program, 2: ``sparq_tiles``,
-                       1: ``sparq_codes``)
+                       1: ``sparq_codes``, 5: ``sparq_lanes``, which runs ``sparq_stream``
+                       where it does not apply: ``lanes_supported``)
                        and bf16x2 decoding in it (default: ``sparq_tiles.SPARQ_*``, by env)
         sparq_rec:     [S, D * NR] int32: the records that kmin / kmax / codes view
                        (``sparq_records``); ``sparq_tiles`` / ``sparq_stream`` then load whole
@@ -187,23 +200,34 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                                       num_warps or NUM_WARPS)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     version = (SPARQ_KERNEL if sparq_kernel is None else sparq_kernel) if sparq else 0
-    if sparq and version not in (1, 2, 3, 4):
+    if sparq and version not in (1, 2, 3, 4, 5):
         raise ValueError(f"select_pages: sparq_kernel={version} (or SPARSESERVE_SPARQ_KERNEL) is "
                          f"not a score phase: pass 1 (sparq_codes), 2 (sparq_tiles), 3 "
-                         f"(sparq_stream) or 4 (sparq_stream in {LEAN_WARPS}-warp programs)")
+                         f"(sparq_stream), 4 (sparq_stream in {LEAN_WARPS}-warp programs) or 5 "
+                         f"(sparq_lanes)")
     if version == 4 and num_warps not in (None, LEAN_WARPS):
         warnings.warn(f"select_pages: num_warps={num_warps} (or SPARSESERVE_SELECT_WARPS) "
                       f"replaces sparq_kernel=4's {LEAN_WARPS} warps per score program: it runs "
                       f"as sparq_kernel=3 at that width", stacklevel=2)
-    if version in (2, 3, 4) and (kscale is None or ps // 16 not in (1, 2, 4)):
+    if version in (2, 3, 4, 5) and (kscale is None or ps // 16 not in (1, 2, 4)):
         version = 1  # sparq_tiles / sparq_stream: int8 means, 16 to 64 tokens a page
     # whole-record loads: sparq_tiles / _stream with 4-word records (else their strided views)
     rec_kind = rec_kind if version >= 2 and rec_kind and sparq_rec.shape[1] == 4 * D else 0
+    if version == 5 and not _lanes_fit(rec_kind, ps, R, Hq // Hkv, D, kmean, sparq_rec):
+        if sparq_kernel == 5:
+            warnings.warn(f"select_pages: sparq_kernel=5 (sparq_lanes) covers 4-word records "
+                          f"with a 16-bit box, page 32, 16 channels, GQA groups <= 4 and "
+                          f"head_dim 64 / 128 on 16-byte aligned means; this call (page "
+                          f"{ps}, {R} channels, group {Hq // Hkv}, head_dim {D}) runs "
+                          f"sparq_stream (3)", stacklevel=2)
+        version = 3
     if rec_interleave != 1 and not rec_kind:
         raise ValueError(f"select_pages: rec_interleave={rec_interleave} needs 4-word records "
                          f"read whole (sparq_rec with sparq_kernel 2-4, int8 means, page 16-64)")
     if version == 2:  # chunks of TILE_PAGES pages (a multiple of 16: sub-tiles of 16)
         block_w = block_w if block_w and block_w % 16 == 0 else TILE_PAGES
+    elif version == 5:  # a warp's chunk
+        block_w = LANE_PAGES
     elif version in (3, 4):  # one sub-tile an iteration
         if block_w not in (None, STREAM_PAGES):
             warnings.warn(f"select_pages: block_w={block_w} (or SPARSESERVE_SELECT_BLOCK_W) does "
@@ -216,7 +240,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     chunks = triton.cdiv(W, block_w)
     splits = num_splits or _default_splits(
         q, B * Hkv, chunks, block_w,
-        STREAM_PROGRAMS_PER_SM if version in (3, 4) else SPLIT_PROGRAMS_PER_SM)
+        STREAM_PROGRAMS_PER_SM if version in (3, 4) else LANE_PROGRAMS_PER_SM if version == 5
+        else SPLIT_PROGRAMS_PER_SM)
     splits = max(1, min(splits, chunks, MAX_SPLITS))
     cps = triton.cdiv(chunks, splits)
     splits = triton.cdiv(chunks, cps)

@@ -9,7 +9,7 @@ in Triton, replacing ``SparseAlgorithm.select``'s score kernel, ~30 torch ops an
    and negative parts of the heads (GP = G padded to 16; operands in the summary dtype, where
    q+ / q- are exact, fp32 accumulation; IEEE for fp32 summaries). Key-code algorithms put
    the log-sum-exp of a page's approximate token logits here instead (``code_scores``,
-   ``channel_codes``, ``sparq_stream`` / ``sparq_tiles``; GP = G padded to 4). Every full
+   ``channel_codes``, ``sparq_lanes`` / ``sparq_stream`` / ``sparq_tiles``; GP = G padded to 4). Every full
    page is scored (kept ones too: they normalise); the partial last page, whose summary is
    not built yet, is not.
 2. Normalisation. ``x_g = u_g * D**-0.5 * log2(e)`` is written to a ``[G, W]`` fp32 scratch row
@@ -40,6 +40,7 @@ from . import patch_triton_interpreter
 from .channel_codes import chan_code_page_x
 from .code_scores import code_page_x
 from .sparq_codes import sparq_page_x
+from .sparq_lanes import sparq_score_lanes
 from .sparq_stream import sparq_score_stream
 from .sparq_tiles import sparq_score_tiles
 
@@ -115,6 +116,11 @@ def _page_select_kernel(
             stride_min, stride_max, stride_codes, pt_row, s_row, stride_sg, n, c0, c1, qk_scale,
             magic, G, GP, D, BLOCK_D, PS, R, BLOCK_W, NW, ASM, FAST, DOT_PREC, BCS, CCS, REC, 2,
             RI)
+    elif DO_SCORE and SPARQ == 5:  # sparq_lanes: per-lane mma fragments, a chunk a warp
+        m_run, l_run = sparq_score_lanes(
+            q_ptr + b64 * stride_qb + h * G * stride_qh, stride_qh, mean_ptr, codes_ptr,
+            kscale_ptr, chan_ptr + b64 * stride_chan + h * R, stride_mean, stride_codes, pt_row,
+            s_row, stride_sg, n, c0, c1, qk_scale, G, GP, D, NW, REC, RI, FAST)
     elif DO_SCORE:
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D

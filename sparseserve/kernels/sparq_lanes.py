@@ -1,0 +1,396 @@
+"""keycode2-sparq's score phase written per lane (``select_pages(..., sparq_kernel=5)``,
+``keycode2-sparq@score_kernel=5``): every warp scores its own 16-page chunks with
+``mma.sync`` on operands it builds in registers, no shared memory, no barrier. Spec:
+``ref.sparq_page_bounds`` (log2 units), as ``sparq_stream``.
+
+Why. ``sparq_stream`` (kernel 3) issues ~186 warp-instructions per page at 128k x 16 and is
+bound on-chip (L1/shared pipe 64 %, 7 barriers per iteration: Nsight Compute and offline SASS,
+docs/results/sparse.md): Triton's ``tl.dot`` wants its operands in the mma layouts, so the
+records, means and decoded codes go through shared memory and every warp recomputes the
+16-row page-term tile. Here the kernel holds one element per thread (tensors of ``NW * 32``:
+element ``e`` is lane ``e % 32`` of warp ``e // 32``) and each lane loads exactly the words
+its mma fragments need, so the only data movement between lanes is ``shfl``.
+
+Per warp and chunk of 16 pages (``m16n8k16`` fp16 mmas, fp32 accumulation; lane
+``(gr, t) = (lane // 4, lane % 4)``, the fragments' groupID / thread-in-group):
+
+1. Page terms, pages ``gr`` and ``gr + 8`` of the chunk as the mma rows: the int8 means on
+   ``D / 16`` k-steps, the lane's K slots being its own ``D / 4`` contiguous channels (one or
+   two 16-byte loads per page), read as fp16 subnormals ``(mean + 128) * 2^-24`` (a byte
+   into a half is a ``prmt`` and a ``lop3``), minus the same mma of a constant 128 (computed
+   once per row), times ``2^24`` and the page's scale; and the centring term
+   ``q[R] . (lo + step / 2 - mean[R] * scale)`` on one k-step of the 16 chosen channels (slot
+   ``t + 4 m``: the lane's records). The B columns are ``n = 2 h + s'``, head ``h``
+   duplicated, so lane ``(gr, t)`` receives both terms of head ``t``.
+2. Tokens, page by page: rows = the page's tokens ``gr`` / ``gr + 8`` of its two code words,
+   K = (chosen channel, code word), N = (head, code word) block-diagonal, as ``sparq_tiles``
+   lays them out; the A operand is the codes' bits themselves as fp16 subnormals
+   ``code * 4^j * 2^-24`` (``j = gr % 4``, a token's bit position in its byte: one ``prmt`` and
+   one ``lop3`` a register, no conversion, no per-element multiply), the B operand is
+   ``q[h, c] * step_c * 2^-8`` for the page (the step folded into B instead of into every
+   decoded code), and C starts at the page's centring term, so the output is each token's
+   approximate logit minus the mean key's, ``d``, scaled by ``4^j * 2^-32`` per lane. Those
+   deviations are centred (the mean of a page's keys is their centre), so ``x = base +
+   log2 sum_t exp2(d_t)`` needs no running max (``d`` is clamped at 126 against an absurd
+   overflow); the sum over the page's 32 tokens is the lane's 4 plus 3 ``shfl.bfly``.
+3. The chunk's 16 x values end on lanes ``(p % 8, t)``; they are stored and folded into the
+   lane's running (max, sum of exp2) once per chunk, reduced over the program at the end.
+
+fp16 operands: ``q * scale``, ``q * step`` and the centring terms must stay below 65504 (a
+key of magnitude ~10^4 would overflow them: bf16 keys that large do not occur in the models
+served; the ``sparq_stream`` path has no such limit). Same numbers as the reference to fp16
+rounding of those operands (``sparq_stream`` rounds the decoded codes times step to bf16).
+
+Supported: 4-word records with a 16-bit box (``REC`` 1 bf16, 2 fp16), page 32, R = 16, GQA
+groups up to 4, head_dim 64 or 128, 16-byte aligned means; ``select_pages`` falls back to
+``sparq_stream`` otherwise. On CPU (Triton's interpreter) the ``mma``, ``shfl``, ``prmt`` and
+vector loads are emulated by gathers over the lane axis (``FAST`` False), so CI runs this
+module's fragment and bit arithmetic; on the GPU they are inline PTX.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import patch_triton_interpreter
+from .sparq_tiles import _rec_box, log2_fast, rec_word
+
+patch_triton_interpreter()
+
+__all__ = ["sparq_score_lanes", "LANE_PAGES", "lanes_supported"]
+
+LANE_PAGES = 16  # pages of a warp's chunk (the mma's 16 rows in the page-term step)
+
+
+def lanes_supported(rec_kind: int, page_size: int, channels: int, group: int,
+                    head_dim: int) -> bool:
+    """Whether ``sparq_score_lanes`` covers a configuration (else ``sparq_stream`` runs)."""
+    return rec_kind in (1, 2) and page_size == 32 and channels == 16 and group <= 4 \
+        and head_dim in (64, 128)
+
+
+# --- lane primitives: inline PTX on the GPU, gathers over the lane axis in the interpreter ---
+
+@triton.jit
+def _lane_base(N: tl.constexpr):
+    """[N] the flat index of lane 0 of each element's warp."""
+    e = tl.arange(0, N)
+    return e - e % 32
+
+
+@triton.jit
+def _shfl_idx(x, src, N: tl.constexpr, FAST: tl.constexpr):
+    """int32 ``x`` of lane ``src`` [N] (0..31) of the same warp."""
+    if FAST:
+        return tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;",
+                                         "=r,r,r", [x, src], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.gather(x, _lane_base(N) + src, axis=0)
+
+
+@triton.jit
+def _shfl_f32(x, src, N: tl.constexpr, FAST: tl.constexpr):
+    return _shfl_idx(x.to(tl.int32, bitcast=True), src, N, FAST).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bfly_add(x, m: tl.constexpr, N: tl.constexpr, FAST: tl.constexpr):
+    """fp32 ``x + x[lane ^ m]``."""
+    if FAST:
+        y = tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, $2, 0x1f, 0xffffffff;",
+                                      "=f,f,r", [x, tl.full([N], m, tl.int32)],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        e = tl.arange(0, N)
+        y = tl.gather(x, e ^ m, axis=0)
+    return x + y
+
+
+@triton.jit
+def _ldg4(ptr, FAST: tl.constexpr):
+    """Four int32 words at ``ptr`` [N] (16-byte aligned): one vector load a lane, not
+    predicated (callers point pages they do not score at page 0, a valid row, and mask what
+    follows from it: no predicate, no zeroing)."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+            [ptr.to(tl.int64, bitcast=True)],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        return tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3)
+
+
+@triton.jit
+def _byte_pair(a, b, ia, ib, FAST: tl.constexpr):
+    """int32 with byte ``ia`` of ``a`` in bits 0-7 and byte ``ib`` of ``b`` in bits 16-23
+    (``ia`` / ``ib`` 0..3, [N] or scalars; other bits unspecified: callers mask them)."""
+    if FAST:
+        sel = (tl.zeros_like(a) + ia) | ((tl.zeros_like(a) + ib + 4) << 8)
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return ((a >> (8 * ia)) & 0xFF) | (((b >> (8 * ib)) & 0xFF) << 16)
+
+
+@triton.jit
+def _f16x2(lo, hi, FAST: tl.constexpr):
+    """fp32 ``lo``, ``hi`` rounded to fp16 and packed (``lo`` in the low half)."""
+    if FAST:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [hi, lo],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        lb = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hb = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return lb | (hb << 16)
+
+
+@triton.jit
+def _half(w, k):
+    """fp32 value of half ``k`` (0 low, 1 high) of packed fp16 words ``w`` (emulation)."""
+    return ((w >> (16 * k)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, N: tl.constexpr, FAST: tl.constexpr):
+    """``mma.sync.m16n8k16.row.col.f32.f16.f16.f32`` of each warp: A / B fragments as packed
+    fp16 int32 registers, C / D fp32 (the PTX fragment layouts: lane (gr, t) holds A rows
+    gr / gr + 8 at K 2t, 2t + 1 (a0 / a1) and 2t + 8, 2t + 9 (a2 / a3), B K 2t, 2t + 1 (b0) and
+    2t + 8, 2t + 9 (b1) of column gr, D rows gr (d0, d1) / gr + 8 (d2, d3) at columns 2t,
+    2t + 1)."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        e = tl.arange(0, N)
+        lane = (e % 32)[:, None, None]
+        base = (e - e % 32)[:, None, None]
+        r = tl.arange(0, 4)[None, :, None]  # output register
+        k = tl.arange(0, 16)[None, None, :]
+        z = tl.zeros([N, 4, 16], tl.int32)
+        row = lane // 4 + 8 * (r // 2) + z
+        col = 2 * (lane % 4) + r % 2 + z
+        # the registers stacked as join's order: register i at flat slot (i % 2) * 2 + i // 2
+        A = tl.reshape(tl.join(tl.join(a0, a1), tl.join(a2, a3)), (N * 4,))
+        B = tl.reshape(tl.join(b0, b1), (N * 2,))
+        a_reg = row // 8 + 2 * (k // 8)
+        a_src = (base + (row % 8) * 4 + (k % 8) // 2) * 4 + (a_reg % 2) * 2 + a_reg // 2
+        b_src = (base + col * 4 + (k % 8) // 2) * 2 + k // 8
+        kh = tl.reshape(k % 2 + z, (N * 64,))
+        av = _half(tl.gather(A, tl.reshape(a_src, (N * 64,)), axis=0), kh)
+        bv = _half(tl.gather(B, tl.reshape(b_src, (N * 64,)), axis=0), kh)
+        d = tl.sum(tl.reshape(av * bv, (N, 4, 16)), axis=2)  # [N, 4]: registers 0..3
+        d02, d13 = tl.split(tl.reshape(d, (N, 2, 2)))
+        d0, d2 = tl.split(d02)
+        d1, d3 = tl.split(d13)
+        return c0 + d0, c1 + d1, c2 + d2, c3 + d3
+
+
+# --- the score phase ---
+
+@triton.jit
+def _f16_q(qh_row, c, ok, qk_scale):
+    """fp32 ``q[c] * qk_scale`` of the lane's head (0 where not ``ok``: padding heads)."""
+    return tl.load(qh_row + c, mask=ok, other=0.0).to(tl.float32) * qk_scale
+
+
+@triton.jit
+def _mean_a(w, FAST: tl.constexpr):
+    """A registers of one mean k-step from a word of 4 int8 means: bytes (0, 1) and (2, 3) as
+    fp16 subnormals ``(mean + 128) * 2^-24`` (the byte with its sign bit flipped)."""
+    lo = _byte_pair(w, w, 0, 1, FAST)
+    hi = _byte_pair(w, w, 2, 3, FAST)
+    return (lo & 0x00FF00FF) ^ 0x00800080, (hi & 0x00FF00FF) ^ 0x00800080
+
+
+@triton.jit
+def _mean_mma(wa, wb, bm, c, N: tl.constexpr, D: tl.constexpr, FAST: tl.constexpr):
+    """The page-term mma over the means: rows pages a / b (the lane's D / 16 words ``wa`` /
+    ``wb``, tuples), B ``bm`` (tuple of D / 8 registers), C ``c`` (4-tuple)."""
+    for ks in tl.static_range(D // 16):
+        a0, a2 = _mean_a(wa[ks], FAST)
+        a1, a3 = _mean_a(wb[ks], FAST)
+        c = _mma(a0, a1, a2, a3, bm[2 * ks], bm[2 * ks + 1], c[0], c[1], c[2], c[3], N, FAST)
+    return c
+
+
+@triton.jit
+def _mean_words(mean_ptr, pid, stride_mean, t, D: tl.constexpr, FAST: tl.constexpr):
+    """The lane's D / 4 int8 means (channels D / 4 * t ..) of page ``pid`` as D / 16 words."""
+    p = (mean_ptr + pid * stride_mean + (D // 4) * t).to(tl.pointer_type(tl.int32),
+                                                        bitcast=True)
+    w = _ldg4(p, FAST)
+    if D == 128:
+        w = w + _ldg4(p + 4, FAST)
+    return w
+
+
+@triton.jit
+def _rec_ptrs(codes_ptr, pid, chs, stride_codes, RI: tl.constexpr):
+    """The 4 records (page ``pid`` [N] int64, the lane's channels ``chs``) as int32 pointers."""
+    return (codes_ptr + rec_word(pid, chs[0], stride_codes, RI),
+            codes_ptr + rec_word(pid, chs[1], stride_codes, RI),
+            codes_ptr + rec_word(pid, chs[2], stride_codes, RI),
+            codes_ptr + rec_word(pid, chs[3], stride_codes, RI))
+
+
+@triton.jit
+def _centring(codes_ptr, mean_ptr, pid, ks, chs, stride_codes, stride_mean,
+              REC: tl.constexpr, RI: tl.constexpr):
+    """Of page ``pid`` at the lane's 4 channels: ``lo + step / 2 - mean * scale`` and
+    ``hi - lo`` (4-tuples of [N] fp32)."""
+    rp = _rec_ptrs(codes_ptr, pid, chs, stride_codes, RI)
+    off = ()
+    width = ()
+    for m in tl.static_range(4):
+        w = tl.load(rp[m])
+        lo, hi = _rec_box(w, w, REC)
+        mc = tl.load(mean_ptr + pid * stride_mean + chs[m]).to(tl.float32)
+        off = off + (lo + 0.125 * (hi - lo) - mc * ks,)
+        width = width + (hi - lo,)
+    return off, width
+
+
+@triton.jit
+def _page_x(codes_ptr, pid, o, width, chs, qe, qo, sel_a, sel_b, cmask, sig, isig,
+            stride_codes, N: tl.constexpr, RI: tl.constexpr, FAST: tl.constexpr):
+    """log2 sum_t exp2(d_t) over one page's 32 tokens for head t (every lane of a t), at most
+    126: ``d_t`` = the token's approximate logit minus the mean key's; ``o`` [N] the page's
+    centring term (head t), ``width`` its 4 channels' ``hi - lo``."""
+    rp = _rec_ptrs(codes_ptr, pid, chs, stride_codes, RI)
+    a = ()
+    b = ()
+    for m in tl.static_range(4):
+        _, wc0, wc1, _ = _ldg4(rp[m], FAST)
+        b = b + (_f16x2(width[m] * qe[m], width[m] * qo[m], FAST),)
+        a = a + (_byte_pair(wc0, wc1, sel_a, sel_a, FAST) & cmask,
+                 _byte_pair(wc0, wc1, sel_b, sel_b, FAST) & cmask)
+    c = o * sig
+    d0, d1, d2, d3 = _mma(a[0], a[1], a[2], a[3], b[0], b[1], c, c, c, c, N, FAST)
+    d0, d1, d2, d3 = _mma(a[4], a[5], a[6], a[7], b[2], b[3], d0, d1, d2, d3, N, FAST)
+    # an exp2 past fp32's range (a deviation > 127: no real key) is inf, clamped below
+    s = tl.exp2(d0 * isig) + tl.exp2(d1 * isig) + tl.exp2(d2 * isig) + tl.exp2(d3 * isig)
+    s = _bfly_add(s, 4, N, FAST)
+    s = _bfly_add(s, 8, N, FAST)
+    s = _bfly_add(s, 16, N, FAST)
+    return tl.minimum(log2_fast(s, FAST), 126.0)
+
+
+@triton.jit
+def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row, stride_mean,
+                      stride_codes, pt_row, s_row, stride_sg, n, c0, c1, qk_scale,
+                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, NW: tl.constexpr,
+                      REC: tl.constexpr, RI: tl.constexpr, FAST: tl.constexpr):
+    """``sparq_stream``'s contract with chunks of ``LANE_PAGES`` pages, chunk ``c0 + k * NW +
+    w`` on warp ``w``: writes ``s_row[g, page]`` for the full pages of chunks ``c0 .. c1`` and
+    returns the row's (max, sum of exp2(x - max)) per head [GP] (GP = 4). ``codes_ptr``: the
+    4-word records (int32), ``ch_row``: the row's 16 channels (module docstring)."""
+    N: tl.constexpr = NW * 32
+    e = tl.arange(0, N)
+    lane = e % 32
+    warp = e // 32
+    gr = lane // 4  # the mma fragments' groupID
+    t = lane % 4    # ... and thread-in-group: the head of the lane's D columns
+    hb = gr // 2    # the head of the lane's B column (n = gr = 2 h + word)
+    h_ok = hb < G
+    qh_row = q_row + tl.minimum(hb, G - 1) * stride_qh
+    j = (gr % 4).to(tl.float32)  # a row's token code sits at bits 2 j of its byte
+    sig = tl.exp2(2.0 * j - 28.0)  # the token mma's D per unit of logit: 4^j 2^-24 * 2^-4
+    isig = tl.exp2(28.0 - 2.0 * j)
+    cmask = (3 << (2 * (gr % 4))) * 0x10001
+    sel_a = gr // 4      # byte of token gr in its code word
+    sel_b = gr // 4 + 2  # ... of token gr + 8
+    even = (gr % 2) == 0
+    # the lane's 4 channels (K slots t + 4 m) and its head's query there
+    chs = ()
+    qe = ()
+    qo = ()
+    qc = ()
+    for m in tl.static_range(4):
+        c = tl.load(ch_row + t + 4 * m).to(tl.int64)
+        qv = _f16_q(qh_row, c, h_ok, qk_scale)
+        chs = chs + (c,)
+        qc = qc + (qv,)
+        qs = qv * 0.015625  # B = q * step * 2^-4, step = (hi - lo) / 4
+        qe = qe + (tl.where(even, qs, 0.0),)
+        qo = qo + (tl.where(even, 0.0, qs),)
+    b_off0 = _f16x2(qc[0], qc[1], FAST)  # the centring mma's B: K (2t, 2t + 1) = slots t, t + 4
+    b_off1 = _f16x2(qc[2], qc[3], FAST)
+    bm = ()  # the mean mma's B: K (2t, 2t + 1), (2t + 8, 2t + 9) = channels D / 4 t + 4 ks + 0..3
+    for ks in tl.static_range(D // 16):
+        cb = (D // 4) * t + 4 * ks
+        bm = bm + (_f16x2(_f16_q(qh_row, cb, h_ok, qk_scale),
+                          _f16_q(qh_row, cb + 1, h_ok, qk_scale), FAST),
+                   _f16x2(_f16_q(qh_row, cb + 2, h_ok, qk_scale),
+                          _f16_q(qh_row, cb + 3, h_ok, qk_scale), FAST))
+    zf = tl.zeros([N], tl.float32)
+    zw = ()
+    for ks in tl.static_range(D // 16):
+        zw = zw + (tl.zeros([N], tl.int32),)
+    bias = _mean_mma(zw, zw, bm, (zf, zf, zf, zf), N, D, FAST)[0]  # means of 0: 128 * sum q
+    m_acc = tl.full([N], -1e30, tl.float32)  # per lane (head t): running max of its pages
+    l_acc = tl.zeros([N], tl.float32)        # and sum of exp2(x - max)
+    t_ok = t < G
+    for c in range(c0, c1, NW):
+        cc = c + warp
+        page_a = cc * 16 + gr
+        ok_a = (page_a < n - 1) & (cc < c1)  # full pages of the warp's chunk
+        ok_b = (page_a + 8 < n - 1) & (cc < c1)
+        # pages not scored read page 0 (a valid row) unpredicated; their x is masked below
+        pt_a = tl.load(pt_row + page_a, mask=ok_a, other=0)
+        pt_b = tl.load(pt_row + page_a + 8, mask=ok_b, other=0)
+        pid_a = pt_a.to(tl.int64)
+        pid_b = pt_b.to(tl.int64)
+        ks_a = tl.load(kscale_ptr + pid_a)
+        ks_b = tl.load(kscale_ptr + pid_b)
+        # 1. page terms of pages gr, gr + 8 for head t
+        dm = _mean_mma(_mean_words(mean_ptr, pid_a, stride_mean, t, D, FAST),
+                       _mean_words(mean_ptr, pid_b, stride_mean, t, D, FAST),
+                       bm, (zf, zf, zf, zf), N, D, FAST)
+        base_a = (dm[0] - bias) * 16777216.0 * ks_a
+        base_b = (dm[2] - bias) * 16777216.0 * ks_b
+        oa, wa = _centring(codes_ptr, mean_ptr, pid_a, ks_a, chs, stride_codes, stride_mean,
+                           REC, RI)
+        ob, wb = _centring(codes_ptr, mean_ptr, pid_b, ks_b, chs, stride_codes, stride_mean,
+                           REC, RI)
+        o_a, _, o_b, _ = _mma(_f16x2(oa[0], oa[1], FAST), _f16x2(ob[0], ob[1], FAST),
+                              _f16x2(oa[2], oa[3], FAST), _f16x2(ob[2], ob[3], FAST),
+                              b_off0, b_off1, zf, zf, zf, zf, N, FAST)
+        # 2. tokens, page by page, from lane (p % 8, t)'s page id, centring term and widths;
+        # x of page p ends on lanes (p % 8, t)
+        xa = zf
+        xb = zf
+        for p in tl.static_range(16):
+            src = 4 * (p % 8) + t
+            if p < 8:
+                pid = _shfl_idx(pt_a, src, N, FAST).to(tl.int64)
+                o = _shfl_f32(o_a, src, N, FAST)
+                wd = (_shfl_f32(wa[0], src, N, FAST), _shfl_f32(wa[1], src, N, FAST),
+                      _shfl_f32(wa[2], src, N, FAST), _shfl_f32(wa[3], src, N, FAST))
+            else:
+                pid = _shfl_idx(pt_b, src, N, FAST).to(tl.int64)
+                o = _shfl_f32(o_b, src, N, FAST)
+                wd = (_shfl_f32(wb[0], src, N, FAST), _shfl_f32(wb[1], src, N, FAST),
+                      _shfl_f32(wb[2], src, N, FAST), _shfl_f32(wb[3], src, N, FAST))
+            lg = _page_x(codes_ptr, pid, o, wd, chs, qe, qo, sel_a, sel_b, cmask, sig, isig,
+                         stride_codes, N, RI, FAST)
+            if p < 8:
+                xa = tl.where(gr == p, base_a + lg, xa)
+            else:
+                xb = tl.where(gr == p - 8, base_b + lg, xb)
+        # 3. store and fold into the running (max, sum)
+        tl.store(s_row + t * stride_sg + page_a, xa, mask=ok_a & t_ok)
+        tl.store(s_row + t * stride_sg + page_a + 8, xb, mask=ok_b & t_ok)
+        xa = tl.where(ok_a & t_ok, xa, float("-inf"))
+        xb = tl.where(ok_b & t_ok, xb, float("-inf"))
+        m_new = tl.maximum(m_acc, tl.maximum(xa, xb))
+        l_acc = l_acc * tl.exp2(m_acc - m_new) + tl.exp2(xa - m_new) + tl.exp2(xb - m_new)
+        m_acc = m_new
+    m2 = tl.reshape(m_acc, (N // 4, 4))  # [lane groups, head t]
+    l2 = tl.reshape(l_acc, (N // 4, 4))
+    m_run = tl.max(m2, axis=0)
+    l_run = tl.sum(l2 * tl.exp2(m2 - m_run[None, :]), axis=0)
+    return m_run, l_run
