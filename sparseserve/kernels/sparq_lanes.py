@@ -122,6 +122,21 @@ def _ldg4(ptr, FAST: tl.constexpr):
 
 
 @triton.jit
+def _ldg4_at(base, word, FAST: tl.constexpr):
+    """``_ldg4(base + word)``, the address formed in the load's asm (one ``mad.wide`` of the
+    int32 word offset onto the int32 pointer ``base``: Triton would add a hoisted 64-bit
+    offset, two instructions)."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            "{ .reg .u64 a; mad.wide.s32 a, $5, 4, $4; "
+            "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [a]; }", "=r,=r,=r,=r,l,r",
+            [base.to(tl.int64, bitcast=True), word],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        return _ldg4(base + word, FAST)
+
+
+@triton.jit
 def _byte_pair(a, b, ia, ib, FAST: tl.constexpr):
     """int32 with byte ``ia`` of ``a`` in bits 0-7 and byte ``ib`` of ``b`` in bits 16-23
     (``ia`` / ``ib`` 0..3, [N] or scalars; other bits unspecified: callers mask them)."""
@@ -229,20 +244,17 @@ def _mean_words(mean_ptr, pid, stride_mean, t, D: tl.constexpr, FAST: tl.constex
 
 
 @triton.jit
-def _rec_ptrs(codes_ptr, pid, chs, stride_codes, RI: tl.constexpr):
-    """The 4 records (page ``pid`` [N] int64, the lane's channels ``chs``) as int32 pointers."""
-    return (codes_ptr + rec_word(pid, chs[0], stride_codes, RI),
-            codes_ptr + rec_word(pid, chs[1], stride_codes, RI),
-            codes_ptr + rec_word(pid, chs[2], stride_codes, RI),
-            codes_ptr + rec_word(pid, chs[3], stride_codes, RI))
+def _rec_ptrs(page_rec, chw):
+    """The lane's 4 records of a page: ``page_rec`` the page's record pointer (channel 0,
+    ``rec_word(page, 0, ...)``), ``chw`` the channels' word offsets (int32)."""
+    return page_rec + chw[0], page_rec + chw[1], page_rec + chw[2], page_rec + chw[3]
 
 
 @triton.jit
-def _centring(codes_ptr, mean_ptr, pid, ks, chs, stride_codes, stride_mean,
-              REC: tl.constexpr, RI: tl.constexpr):
-    """Of page ``pid`` at the lane's 4 channels: ``lo + step / 2 - mean * scale`` and
-    ``hi - lo`` (4-tuples of [N] fp32)."""
-    rp = _rec_ptrs(codes_ptr, pid, chs, stride_codes, RI)
+def _centring(codes_ptr, mean_ptr, pid, roff, ks, chs, chw, stride_mean, REC: tl.constexpr):
+    """Of page ``pid`` (its records at word ``roff``) at the lane's 4 channels: ``lo + step /
+    2 - mean * scale`` and ``hi - lo`` (4-tuples of [N] fp32)."""
+    rp = _rec_ptrs(codes_ptr + roff, chw)
     off = ()
     width = ()
     for m in tl.static_range(4):
@@ -255,24 +267,26 @@ def _centring(codes_ptr, mean_ptr, pid, ks, chs, stride_codes, stride_mean,
 
 
 @triton.jit
-def _page_x(codes_ptr, pid, o, width, chs, qe, qo, sel_a, sel_b, cmask, sig, isig,
-            stride_codes, N: tl.constexpr, RI: tl.constexpr, FAST: tl.constexpr):
+def _page_x(page_rec, o, width, chw, qe, qo, sel_a, sel_b, cmask, isig,
+            N: tl.constexpr, FAST: tl.constexpr):
     """log2 sum_t exp2(d_t) over one page's 32 tokens for head t (every lane of a t), at most
-    126: ``d_t`` = the token's approximate logit minus the mean key's; ``o`` [N] the page's
-    centring term (head t), ``width`` its 4 channels' ``hi - lo``."""
-    rp = _rec_ptrs(codes_ptr, pid, chs, stride_codes, RI)
+    126: ``d_t`` = the token's approximate logit minus the mean key's; ``page_rec`` the page's
+    records (``_rec_ptrs``), ``o`` [N] its centring term (head t), ``width`` its 4 channels'
+    ``hi - lo``."""
     a = ()
     b = ()
     for m in tl.static_range(4):
-        _, wc0, wc1, _ = _ldg4(rp[m], FAST)
+        _, wc0, wc1, _ = _ldg4_at(page_rec, chw[m], FAST)
         b = b + (_f16x2(width[m] * qe[m], width[m] * qo[m], FAST),)
         a = a + (_byte_pair(wc0, wc1, sel_a, sel_a, FAST) & cmask,
                  _byte_pair(wc0, wc1, sel_b, sel_b, FAST) & cmask)
-    c = o * sig
-    d0, d1, d2, d3 = _mma(a[0], a[1], a[2], a[3], b[0], b[1], c, c, c, c, N, FAST)
+    z = tl.zeros_like(o)
+    d0, d1, d2, d3 = _mma(a[0], a[1], a[2], a[3], b[0], b[1], z, z, z, z, N, FAST)
     d0, d1, d2, d3 = _mma(a[4], a[5], a[6], a[7], b[2], b[3], d0, d1, d2, d3, N, FAST)
-    # an exp2 past fp32's range (a deviation > 127: no real key) is inf, clamped below
-    s = tl.exp2(d0 * isig) + tl.exp2(d1 * isig) + tl.exp2(d2 * isig) + tl.exp2(d3 * isig)
+    # d = o + D / (4^j 2^-28), one fma each; an exp2 past fp32's range (a deviation > 127:
+    # no real key) is inf, clamped below
+    s = tl.exp2(d0 * isig + o) + tl.exp2(d1 * isig + o) + tl.exp2(d2 * isig + o) \
+        + tl.exp2(d3 * isig + o)
     s = _bfly_add(s, 4, N, FAST)
     s = _bfly_add(s, 8, N, FAST)
     s = _bfly_add(s, 16, N, FAST)
@@ -298,14 +312,14 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
     h_ok = hb < G
     qh_row = q_row + tl.minimum(hb, G - 1) * stride_qh
     j = (gr % 4).to(tl.float32)  # a row's token code sits at bits 2 j of its byte
-    sig = tl.exp2(2.0 * j - 28.0)  # the token mma's D per unit of logit: 4^j 2^-24 * 2^-4
-    isig = tl.exp2(28.0 - 2.0 * j)
+    isig = tl.exp2(28.0 - 2.0 * j)  # logit units per unit of the token mma's D: 4^j 2^-24 2^-4
     cmask = (3 << (2 * (gr % 4))) * 0x10001
     sel_a = gr // 4      # byte of token gr in its code word
     sel_b = gr // 4 + 2  # ... of token gr + 8
     even = (gr % 2) == 0
     # the lane's 4 channels (K slots t + 4 m) and its head's query there
     chs = ()
+    chw = ()
     qe = ()
     qo = ()
     qc = ()
@@ -313,6 +327,7 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
         c = tl.load(ch_row + t + 4 * m).to(tl.int64)
         qv = _f16_q(qh_row, c, h_ok, qk_scale)
         chs = chs + (c,)
+        chw = chw + (rec_word(0, c, stride_codes, RI).to(tl.int32),)
         qc = qc + (qv,)
         qs = qv * 0.015625  # B = q * step * 2^-4, step = (hi - lo) / 4
         qe = qe + (tl.where(even, qs, 0.0),)
@@ -352,10 +367,14 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
                        bm, (zf, zf, zf, zf), N, D, FAST)
         base_a = (dm[0] - bias) * 16777216.0 * ks_a
         base_b = (dm[2] - bias) * 16777216.0 * ks_b
-        oa, wa = _centring(codes_ptr, mean_ptr, pid_a, ks_a, chs, stride_codes, stride_mean,
-                           REC, RI)
-        ob, wb = _centring(codes_ptr, mean_ptr, pid_b, ks_b, chs, stride_codes, stride_mean,
-                           REC, RI)
+        roff_a = rec_word(pid_a, 0, stride_codes, RI)  # the pages' records (channel 0)
+        roff_b = rec_word(pid_b, 0, stride_codes, RI)
+        oa, wa = _centring(codes_ptr, mean_ptr, pid_a, roff_a, ks_a, chs, chw, stride_mean, REC)
+        ob, wb = _centring(codes_ptr, mean_ptr, pid_b, roff_b, ks_b, chs, chw, stride_mean, REC)
+        ra_lo = roff_a.to(tl.int32)  # shuffled as two words
+        ra_hi = (roff_a >> 32).to(tl.int32)
+        rb_lo = roff_b.to(tl.int32)
+        rb_hi = (roff_b >> 32).to(tl.int32)
         o_a, _, o_b, _ = _mma(_f16x2(oa[0], oa[1], FAST), _f16x2(ob[0], ob[1], FAST),
                               _f16x2(oa[2], oa[3], FAST), _f16x2(ob[2], ob[3], FAST),
                               b_off0, b_off1, zf, zf, zf, zf, N, FAST)
@@ -366,17 +385,20 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
         for p in tl.static_range(16):
             src = 4 * (p % 8) + t
             if p < 8:
-                pid = _shfl_idx(pt_a, src, N, FAST).to(tl.int64)
+                r_lo = _shfl_idx(ra_lo, src, N, FAST)
+                r_hi = _shfl_idx(ra_hi, src, N, FAST)
                 o = _shfl_f32(o_a, src, N, FAST)
                 wd = (_shfl_f32(wa[0], src, N, FAST), _shfl_f32(wa[1], src, N, FAST),
                       _shfl_f32(wa[2], src, N, FAST), _shfl_f32(wa[3], src, N, FAST))
             else:
-                pid = _shfl_idx(pt_b, src, N, FAST).to(tl.int64)
+                r_lo = _shfl_idx(rb_lo, src, N, FAST)
+                r_hi = _shfl_idx(rb_hi, src, N, FAST)
                 o = _shfl_f32(o_b, src, N, FAST)
                 wd = (_shfl_f32(wb[0], src, N, FAST), _shfl_f32(wb[1], src, N, FAST),
                       _shfl_f32(wb[2], src, N, FAST), _shfl_f32(wb[3], src, N, FAST))
-            lg = _page_x(codes_ptr, pid, o, wd, chs, qe, qo, sel_a, sel_b, cmask, sig, isig,
-                         stride_codes, N, RI, FAST)
+            roff = (r_hi.to(tl.int64) << 32) | (r_lo.to(tl.int64) & 0xFFFFFFFF)
+            lg = _page_x(codes_ptr + roff, o, wd, chw, qe, qo, sel_a, sel_b, cmask, isig, N,
+                         FAST)
             if p < 8:
                 xa = tl.where(gr == p, base_a + lg, xa)
             else:

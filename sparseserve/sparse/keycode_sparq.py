@@ -161,8 +161,8 @@ class KeyCodeSparQ(SparseAlgorithm):
 
     def _score_phase_reads_records_whole(self) -> bool:
         """The fused select's score phase loads whole records (``sparq_tiles`` /
-        ``sparq_stream``: 2-4, ``sparq_lanes``: 5), where the interleave's addressing applies; ``sparq_codes``
-        (1) reads them through their row views."""
+        ``sparq_stream``: 2-4, ``sparq_lanes``: 5), where the interleave's addressing applies;
+        ``sparq_codes`` (1) reads them through their row views."""
         return (SPARQ_KERNEL if self.score_kernel is None else self.score_kernel) in (2, 3, 4, 5)
 
     def summary_bytes(self, rows, head_dim, element_size, device_type="cpu", page_chunk=1):
