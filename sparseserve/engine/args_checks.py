@@ -29,8 +29,10 @@ class EngineArgsChecks:
                                               or self.kv_offload):
             logger.warning("cudagraph_mode FULL captures whole steps with prefill work for "
                            "dense attention over device pages only; with sparse attention or "
-                           "the two-tier cache they run eagerly, as with FULL_DECODE_ONLY "
-                           "(FULL_AND_PIECEWISE captures their attention-free pieces)")
+                           "the two-tier cache only the layer segments of whole prompts with "
+                           "GPU-direct saves (the sparseserve preset) replay graphs, one per "
+                           "layer (worker/two_tier_graphs.py), other prefill work runs "
+                           "eagerly as with FULL_DECODE_ONLY")
 
     def _check_parallel(self, mc: ModelConfig, device: str) -> int:
         """The tensor-parallel size, checked against the model and the visible GPUs."""

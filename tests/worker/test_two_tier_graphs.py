@@ -35,10 +35,10 @@ def _generate(path, graphs: bool, slots: int, buckets=(32, 64, 128), fused=None,
     runner.model.fused_ops = True  # the path the graphs run (compiled on a GPU)
     runner.offload._host.zero_()  # pages never written compare equal (allocated uninitialised)
     if graphs:
-        if runner.two_tier is None:  # CPU: built here, run uncaptured
+        if runner.two_tier is None:  # built here, run uncaptured (no capture on CPU, none in
+            # the default FULL_DECODE_ONLY on a GPU)
             runner.two_tier = TwoTierPrefillGraphs(runner, list(buckets), capture=False)
             runner.two_tier.capture()
-        assert runner.two_tier.graphs or DEVICE.type == "cpu"
     else:
         runner.two_tier = None
     calls = []
