@@ -48,6 +48,9 @@ LEAN_WARPS = 2
 # sparq_kernel=5 (sparq_lanes): warps score 16-page chunks independently; programs per SM
 # of the split heuristic (not tuned on a GPU yet)
 LANE_PROGRAMS_PER_SM = 12
+# ... and a register cap for its score launch (0: none): fewer registers, more warps an SM to
+# hide its latencies (SPARSESERVE_SELECT_MAXNREG, to sweep on a GPU)
+LANE_MAXNREG = int(os.environ.get("SPARSESERVE_SELECT_MAXNREG", 0))
 # ... and only for rows of more pages than this: a short row is scored in a few us by one
 # program, less than the split mode's second launch (light8 profile, fifteenth session: 2
 # launches of ~9 us per layer at 160-page rows). In pages, not chunks: chunks are 16 to 64
@@ -280,8 +283,9 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                                          NW=sel_warps, num_warps=sel_warps)
     else:
         score_warps = num_warps or (LEAN_WARPS if version == 4 else 4)
+        cap = dict(maxnreg=LANE_MAXNREG) if version == 5 and LANE_MAXNREG and q.is_cuda else {}
         _page_select_kernel[(B, Hkv, splits)](*args, **meta, DO_SCORE=True, DO_SELECT=False,
-                                              NW=score_warps, num_warps=score_warps)
+                                              NW=score_warps, num_warps=score_warps, **cap)
         _page_select_kernel[(B, Hkv, 1)](*args, **meta, DO_SCORE=False, DO_SELECT=True,
                                          NW=sel_warps, num_warps=sel_warps)
     return out_pages, out_num, out_blocks

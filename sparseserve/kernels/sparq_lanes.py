@@ -252,32 +252,33 @@ def _rec_ptrs(page_rec, chw):
 
 @triton.jit
 def _centring(codes_ptr, mean_ptr, pid, roff, ks, chs, chw, stride_mean, REC: tl.constexpr):
-    """Of page ``pid`` (its records at word ``roff``) at the lane's 4 channels: ``lo + step /
-    2 - mean * scale`` and ``hi - lo`` (4-tuples of [N] fp32)."""
+    """``lo + step / 2 - mean * scale`` of page ``pid`` (its records at word ``roff``) at the
+    lane's 4 channels (4-tuple of [N] fp32)."""
     rp = _rec_ptrs(codes_ptr + roff, chw)
     off = ()
-    width = ()
     for m in tl.static_range(4):
         w = tl.load(rp[m])
         lo, hi = _rec_box(w, w, REC)
         mc = tl.load(mean_ptr + pid * stride_mean + chs[m]).to(tl.float32)
         off = off + (lo + 0.125 * (hi - lo) - mc * ks,)
-        width = width + (hi - lo,)
-    return off, width
+    return off
 
 
 @triton.jit
-def _page_x(page_rec, o, width, chw, qe, qo, sel_a, sel_b, cmask, isig,
-            N: tl.constexpr, FAST: tl.constexpr):
+def _page_x(page_rec, o, chw, qe, qo, sel_a, sel_b, cmask, isig, N: tl.constexpr,
+            REC: tl.constexpr, FAST: tl.constexpr):
     """log2 sum_t exp2(d_t) over one page's 32 tokens for head t (every lane of a t), at most
     126: ``d_t`` = the token's approximate logit minus the mean key's; ``page_rec`` the page's
-    records (``_rec_ptrs``), ``o`` [N] its centring term (head t), ``width`` its 4 channels'
-    ``hi - lo``."""
+    records (``_rec_ptrs``), ``o`` [N] its centring term (head t)."""
     a = ()
     b = ()
     for m in tl.static_range(4):
-        _, wc0, wc1, _ = _ldg4_at(page_rec, chw[m], FAST)
-        b = b + (_f16x2(width[m] * qe[m], width[m] * qo[m], FAST),)
+        # the box word too: a record is then one 16-byte load (ptxas splits a vector load
+        # whose words are not all used, here into two 4-byte loads: twice the L1 requests)
+        wbox, wc0, wc1, _ = _ldg4_at(page_rec, chw[m], FAST)
+        lo, hi = _rec_box(wbox, wbox, REC)
+        width = hi - lo
+        b = b + (_f16x2(width * qe[m], width * qo[m], FAST),)
         a = a + (_byte_pair(wc0, wc1, sel_a, sel_a, FAST) & cmask,
                  _byte_pair(wc0, wc1, sel_b, sel_b, FAST) & cmask)
     z = tl.zeros_like(o)
@@ -369,8 +370,8 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
         base_b = (dm[2] - bias) * 16777216.0 * ks_b
         roff_a = rec_word(pid_a, 0, stride_codes, RI)  # the pages' records (channel 0)
         roff_b = rec_word(pid_b, 0, stride_codes, RI)
-        oa, wa = _centring(codes_ptr, mean_ptr, pid_a, roff_a, ks_a, chs, chw, stride_mean, REC)
-        ob, wb = _centring(codes_ptr, mean_ptr, pid_b, roff_b, ks_b, chs, chw, stride_mean, REC)
+        oa = _centring(codes_ptr, mean_ptr, pid_a, roff_a, ks_a, chs, chw, stride_mean, REC)
+        ob = _centring(codes_ptr, mean_ptr, pid_b, roff_b, ks_b, chs, chw, stride_mean, REC)
         ra_lo = roff_a.to(tl.int32)  # shuffled as two words
         ra_hi = (roff_a >> 32).to(tl.int32)
         rb_lo = roff_b.to(tl.int32)
@@ -378,7 +379,7 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
         o_a, _, o_b, _ = _mma(_f16x2(oa[0], oa[1], FAST), _f16x2(ob[0], ob[1], FAST),
                               _f16x2(oa[2], oa[3], FAST), _f16x2(ob[2], ob[3], FAST),
                               b_off0, b_off1, zf, zf, zf, zf, N, FAST)
-        # 2. tokens, page by page, from lane (p % 8, t)'s page id, centring term and widths;
+        # 2. tokens, page by page, from lane (p % 8, t)'s record offset and centring term;
         # x of page p ends on lanes (p % 8, t)
         xa = zf
         xb = zf
@@ -388,16 +389,12 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
                 r_lo = _shfl_idx(ra_lo, src, N, FAST)
                 r_hi = _shfl_idx(ra_hi, src, N, FAST)
                 o = _shfl_f32(o_a, src, N, FAST)
-                wd = (_shfl_f32(wa[0], src, N, FAST), _shfl_f32(wa[1], src, N, FAST),
-                      _shfl_f32(wa[2], src, N, FAST), _shfl_f32(wa[3], src, N, FAST))
             else:
                 r_lo = _shfl_idx(rb_lo, src, N, FAST)
                 r_hi = _shfl_idx(rb_hi, src, N, FAST)
                 o = _shfl_f32(o_b, src, N, FAST)
-                wd = (_shfl_f32(wb[0], src, N, FAST), _shfl_f32(wb[1], src, N, FAST),
-                      _shfl_f32(wb[2], src, N, FAST), _shfl_f32(wb[3], src, N, FAST))
             roff = (r_hi.to(tl.int64) << 32) | (r_lo.to(tl.int64) & 0xFFFFFFFF)
-            lg = _page_x(codes_ptr + roff, o, wd, chw, qe, qo, sel_a, sel_b, cmask, isig, N,
+            lg = _page_x(codes_ptr + roff, o, chw, qe, qo, sel_a, sel_b, cmask, isig, N, REC,
                          FAST)
             if p < 8:
                 xa = tl.where(gr == p, base_a + lg, xa)
