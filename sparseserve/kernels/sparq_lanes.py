@@ -32,7 +32,9 @@ Per warp and chunk of 16 pages (``m16n8k16`` fp16 mmas, fp32 accumulation; lane
    approximate logit minus the mean key's, ``d``, scaled by ``4^j * 2^-32`` per lane. Those
    deviations are centred (the mean of a page's keys is their centre), so ``x = base +
    log2 sum_t exp2(d_t)`` needs no running max (``d`` is clamped at 126 against an absurd
-   overflow); the sum over the page's 32 tokens is the lane's 4 plus 3 ``shfl.bfly``.
+   overflow); the sum over a page's 32 tokens is the lane's 4, then the 8 lanes of a ``t``
+   are summed for 8 pages at once (``_sum8``: 7 ``shfl.bfly`` for 8 pages, lane ``gr``
+   receiving page ``gr``'s sum).
 3. The chunk's 16 x values end on lanes ``(p % 8, t)``; they are stored and folded into the
    lane's running (max, sum of exp2) once per chunk, reduced over the program at the end.
 
@@ -95,16 +97,35 @@ def _shfl_f32(x, src, N: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _bfly_add(x, m: tl.constexpr, N: tl.constexpr, FAST: tl.constexpr):
-    """fp32 ``x + x[lane ^ m]``."""
+def _shfl_xor(x, m: tl.constexpr, N: tl.constexpr, FAST: tl.constexpr):
+    """fp32 ``x`` of lane ``lane ^ m``."""
     if FAST:
-        y = tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, $2, 0x1f, 0xffffffff;",
-                                      "=f,f,r", [x, tl.full([N], m, tl.int32)],
-                                      dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, $2, 0x1f, 0xffffffff;",
+                                         "=f,f,r", [x, tl.full([N], m, tl.int32)],
+                                         dtype=tl.float32, is_pure=True, pack=1)
     else:
         e = tl.arange(0, N)
-        y = tl.gather(x, e ^ m, axis=0)
-    return x + y
+        return tl.gather(x, e ^ m, axis=0)
+
+
+@triton.jit
+def _sum8(v, gr, N: tl.constexpr, FAST: tl.constexpr):
+    """Sums over the 8 lanes of each thread-in-group ``t`` of 8 values at once (``v``: the
+    lane's 8-tuple, one per page), lane ``gr`` receiving page ``gr``'s: at each level a lane
+    keeps the half of the pages whose page bit matches its own lane bit and adds its
+    partner's other half (7 shuffles for 8 pages instead of 3 each)."""
+    b2 = (gr // 4) % 2 == 1
+    b1 = (gr // 2) % 2 == 1
+    b0 = gr % 2 == 1
+    w = ()
+    for i in tl.static_range(4):  # lane bit 2 (lane ^ 16): pages b2 * 4 + i
+        w = w + (tl.where(b2, v[4 + i], v[i]) + _shfl_xor(tl.where(b2, v[i], v[4 + i]), 16,
+                                                           N, FAST),)
+    u = ()
+    for i in tl.static_range(2):  # lane bit 1 (lane ^ 8): pages b2 * 4 + b1 * 2 + i
+        u = u + (tl.where(b1, w[2 + i], w[i]) + _shfl_xor(tl.where(b1, w[i], w[2 + i]), 8,
+                                                           N, FAST),)
+    return tl.where(b0, u[1], u[0]) + _shfl_xor(tl.where(b0, u[0], u[1]), 4, N, FAST)
 
 
 @triton.jit
@@ -265,11 +286,11 @@ def _centring(codes_ptr, mean_ptr, pid, roff, ks, chs, chw, stride_mean, REC: tl
 
 
 @triton.jit
-def _page_x(page_rec, o, chw, qe, qo, sel_a, sel_b, cmask, isig, N: tl.constexpr,
-            REC: tl.constexpr, FAST: tl.constexpr):
-    """log2 sum_t exp2(d_t) over one page's 32 tokens for head t (every lane of a t), at most
-    126: ``d_t`` = the token's approximate logit minus the mean key's; ``page_rec`` the page's
-    records (``_rec_ptrs``), ``o`` [N] its centring term (head t)."""
+def _page_partial(page_rec, o, chw, qe, qo, sel_a, sel_b, cmask, isig, N: tl.constexpr,
+                  REC: tl.constexpr, FAST: tl.constexpr):
+    """The lane's part of sum_t exp2(d_t) over one page's tokens for head t (its 4 tokens:
+    ``_sum8`` adds the 8 lanes of a t): ``d_t`` = the token's approximate logit minus the mean
+    key's; ``page_rec`` the page's records (``_rec_ptrs``), ``o`` [N] its centring term."""
     a = ()
     b = ()
     for m in tl.static_range(4):
@@ -285,13 +306,9 @@ def _page_x(page_rec, o, chw, qe, qo, sel_a, sel_b, cmask, isig, N: tl.constexpr
     d0, d1, d2, d3 = _mma(a[0], a[1], a[2], a[3], b[0], b[1], z, z, z, z, N, FAST)
     d0, d1, d2, d3 = _mma(a[4], a[5], a[6], a[7], b[2], b[3], d0, d1, d2, d3, N, FAST)
     # d = o + D / (4^j 2^-28), one fma each; an exp2 past fp32's range (a deviation > 127:
-    # no real key) is inf, clamped below
-    s = tl.exp2(d0 * isig + o) + tl.exp2(d1 * isig + o) + tl.exp2(d2 * isig + o) \
+    # no real key) is inf, clamped after the log
+    return tl.exp2(d0 * isig + o) + tl.exp2(d1 * isig + o) + tl.exp2(d2 * isig + o) \
         + tl.exp2(d3 * isig + o)
-    s = _bfly_add(s, 4, N, FAST)
-    s = _bfly_add(s, 8, N, FAST)
-    s = _bfly_add(s, 16, N, FAST)
-    return tl.minimum(log2_fast(s, FAST), 126.0)
 
 
 @triton.jit
@@ -381,8 +398,8 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
                               b_off0, b_off1, zf, zf, zf, zf, N, FAST)
         # 2. tokens, page by page, from lane (p % 8, t)'s record offset and centring term;
         # x of page p ends on lanes (p % 8, t)
-        xa = zf
-        xb = zf
+        sa = ()
+        sb = ()
         for p in tl.static_range(16):
             src = 4 * (p % 8) + t
             if p < 8:
@@ -394,12 +411,14 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
                 r_hi = _shfl_idx(rb_hi, src, N, FAST)
                 o = _shfl_f32(o_b, src, N, FAST)
             roff = (r_hi.to(tl.int64) << 32) | (r_lo.to(tl.int64) & 0xFFFFFFFF)
-            lg = _page_x(codes_ptr + roff, o, chw, qe, qo, sel_a, sel_b, cmask, isig, N, REC,
-                         FAST)
+            part = _page_partial(codes_ptr + roff, o, chw, qe, qo, sel_a, sel_b, cmask, isig,
+                                 N, REC, FAST)
             if p < 8:
-                xa = tl.where(gr == p, base_a + lg, xa)
+                sa = sa + (part,)
             else:
-                xb = tl.where(gr == p - 8, base_b + lg, xb)
+                sb = sb + (part,)
+        xa = base_a + tl.minimum(log2_fast(_sum8(sa, gr, N, FAST), FAST), 126.0)
+        xb = base_b + tl.minimum(log2_fast(_sum8(sb, gr, N, FAST), FAST), 126.0)
         # 3. store and fold into the running (max, sum)
         tl.store(s_row + t * stride_sg + page_a, xa, mask=ok_a & t_ok)
         tl.store(s_row + t * stride_sg + page_a + 8, xb, mask=ok_b & t_ok)
