@@ -53,8 +53,11 @@ def _generate(path, graphs: bool, slots: int, buckets=(32, 64, 128), fused=None,
     llm.engine.check_invariants()
     cache = runner.offload
     cache.wait_saves()
-    state = {"host_k": cache._host.clone(), "summaries": {
-        (layer, name): t.clone() for layer, s in enumerate(runner.sparse.summaries)
+    # every page but the scratch page, whose contents are garbage by design (padding lanes of
+    # the decode graphs and of these graphs write there, each their own)
+    sp = cache.scratch_page
+    state = {"host_k": cache._host[:, :, :sp].clone(), "summaries": {
+        (layer, name): t[:sp].clone() for layer, s in enumerate(runner.sparse.summaries)
         for name, t in s.tensors.items()}}
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], calls, state
 
