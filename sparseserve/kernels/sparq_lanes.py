@@ -273,33 +273,33 @@ def _rec_ptrs(page_rec, chw):
 
 @triton.jit
 def _centring(codes_ptr, mean_ptr, pid, roff, ks, chs, chw, stride_mean, REC: tl.constexpr):
-    """``lo + step / 2 - mean * scale`` of page ``pid`` (its records at word ``roff``) at the
-    lane's 4 channels (4-tuple of [N] fp32)."""
+    """Of page ``pid`` (its records at word ``roff``) at the lane's 4 channels: ``lo + step /
+    2 - mean * scale`` and ``hi - lo`` (4-tuples of [N] fp32)."""
     rp = _rec_ptrs(codes_ptr + roff, chw)
     off = ()
+    width = ()
     for m in tl.static_range(4):
         w = tl.load(rp[m])
         lo, hi = _rec_box(w, w, REC)
         mc = tl.load(mean_ptr + pid * stride_mean + chs[m]).to(tl.float32)
         off = off + (lo + 0.125 * (hi - lo) - mc * ks,)
-    return off
+        width = width + (hi - lo,)
+    return off, width
 
 
 @triton.jit
-def _page_partial(page_rec, o, chw, qe, qo, sel_a, sel_b, cmask, isig, N: tl.constexpr,
-                  REC: tl.constexpr, FAST: tl.constexpr):
+def _page_partial(page_rec, o, width, chw, qe, qo, sel_a, sel_b, cmask, isig,
+                  N: tl.constexpr, FAST: tl.constexpr):
     """The lane's part of sum_t exp2(d_t) over one page's tokens for head t (its 4 tokens:
     ``_sum8`` adds the 8 lanes of a t): ``d_t`` = the token's approximate logit minus the mean
     key's; ``page_rec`` the page's records (``_rec_ptrs``), ``o`` [N] its centring term."""
     a = ()
     b = ()
     for m in tl.static_range(4):
-        # the box word too: a record is then one 16-byte load (ptxas splits a vector load
-        # whose words are not all used, here into two 4-byte loads: twice the L1 requests)
-        wbox, wc0, wc1, _ = _ldg4_at(page_rec, chw[m], FAST)
-        lo, hi = _rec_box(wbox, wbox, REC)
-        width = hi - lo
-        b = b + (_f16x2(width * qe[m], width * qo[m], FAST),)
+        # B from the widths shuffled in, known before the load: only A waits on it (the
+        # box word unused, ptxas splits the 16-byte load into two 4-byte ones)
+        _, wc0, wc1, _ = _ldg4_at(page_rec, chw[m], FAST)
+        b = b + (_f16x2(width[m] * qe[m], width[m] * qo[m], FAST),)
         a = a + (_byte_pair(wc0, wc1, sel_a, sel_a, FAST) & cmask,
                  _byte_pair(wc0, wc1, sel_b, sel_b, FAST) & cmask)
     z = tl.zeros_like(o)
@@ -387,8 +387,8 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
         base_b = (dm[2] - bias) * 16777216.0 * ks_b
         roff_a = rec_word(pid_a, 0, stride_codes, RI)  # the pages' records (channel 0)
         roff_b = rec_word(pid_b, 0, stride_codes, RI)
-        oa = _centring(codes_ptr, mean_ptr, pid_a, roff_a, ks_a, chs, chw, stride_mean, REC)
-        ob = _centring(codes_ptr, mean_ptr, pid_b, roff_b, ks_b, chs, chw, stride_mean, REC)
+        oa, wa = _centring(codes_ptr, mean_ptr, pid_a, roff_a, ks_a, chs, chw, stride_mean, REC)
+        ob, wb = _centring(codes_ptr, mean_ptr, pid_b, roff_b, ks_b, chs, chw, stride_mean, REC)
         ra_lo = roff_a.to(tl.int32)  # shuffled as two words
         ra_hi = (roff_a >> 32).to(tl.int32)
         rb_lo = roff_b.to(tl.int32)
@@ -406,13 +406,17 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
                 r_lo = _shfl_idx(ra_lo, src, N, FAST)
                 r_hi = _shfl_idx(ra_hi, src, N, FAST)
                 o = _shfl_f32(o_a, src, N, FAST)
+                wd = (_shfl_f32(wa[0], src, N, FAST), _shfl_f32(wa[1], src, N, FAST),
+                      _shfl_f32(wa[2], src, N, FAST), _shfl_f32(wa[3], src, N, FAST))
             else:
                 r_lo = _shfl_idx(rb_lo, src, N, FAST)
                 r_hi = _shfl_idx(rb_hi, src, N, FAST)
                 o = _shfl_f32(o_b, src, N, FAST)
+                wd = (_shfl_f32(wb[0], src, N, FAST), _shfl_f32(wb[1], src, N, FAST),
+                      _shfl_f32(wb[2], src, N, FAST), _shfl_f32(wb[3], src, N, FAST))
             roff = (r_hi.to(tl.int64) << 32) | (r_lo.to(tl.int64) & 0xFFFFFFFF)
-            part = _page_partial(codes_ptr + roff, o, chw, qe, qo, sel_a, sel_b, cmask, isig,
-                                 N, REC, FAST)
+            part = _page_partial(codes_ptr + roff, o, wd, chw, qe, qo, sel_a, sel_b, cmask,
+                                 isig, N, FAST)
             if p < 8:
                 sa = sa + (part,)
             else:

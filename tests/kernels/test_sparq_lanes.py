@@ -71,8 +71,9 @@ def _check(npages, Hq, Hkv, D, dtype, seed, runs=((1, None), (3, None))):
         assert x5[~full].isnan().all() and not x5[full].isnan().any()  # only full pages
         # fp16 operands (q * scale, q * step, the centring terms): ~1e-3 relative
         torch.testing.assert_close(x5[full], want[full], rtol=2e-3, atol=1e-2)
-        # kernel 3 compiled rounds its decoded codes to bf16 (2e-3 from the reference alone)
-        tol = dict(rtol=2e-3, atol=1e-2) if DEVICE.type == "cpu" else dict(rtol=5e-3, atol=2e-2)
+        # kernel 3 compiled rounds its decoded codes to bf16: its own tests hold it to the
+        # reference within 2e-2 / 5e-2 (test_sparq_stream.assert_matches_reference)
+        tol = dict(rtol=2e-3, atol=1e-2) if DEVICE.type == "cpu" else dict(rtol=2e-2, atol=5e-2)
         torch.testing.assert_close(x5[full], x3[full], **tol)
         assert_same_pages(s5, s3, x3, num)
 
