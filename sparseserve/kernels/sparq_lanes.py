@@ -246,18 +246,10 @@ def _mean_a(w, FAST: tl.constexpr):
 def _mean_mma(wa, wb, bm, c, N: tl.constexpr, D: tl.constexpr, FAST: tl.constexpr):
     """The page-term mma over the means: rows pages a / b (the lane's D / 16 words ``wa`` /
     ``wb``, tuples), B ``bm`` (tuple of D / 8 registers), C ``c`` (4-tuple)."""
-    e = c  # two accumulation chains (even / odd k-steps): half the mma latency in a row
     for ks in tl.static_range(D // 16):
         a0, a2 = _mean_a(wa[ks], FAST)
         a1, a3 = _mean_a(wb[ks], FAST)
-        if ks % 2 == 0:
-            c = _mma(a0, a1, a2, a3, bm[2 * ks], bm[2 * ks + 1], c[0], c[1], c[2], c[3], N,
-                     FAST)
-        else:
-            e = _mma(a0, a1, a2, a3, bm[2 * ks], bm[2 * ks + 1], e[0], e[1], e[2], e[3], N,
-                     FAST)
-    if D // 16 > 1:
-        c = (c[0] + e[0], c[1] + e[1], c[2] + e[2], c[3] + e[3])
+        c = _mma(a0, a1, a2, a3, bm[2 * ks], bm[2 * ks + 1], c[0], c[1], c[2], c[3], N, FAST)
     return c
 
 
@@ -372,12 +364,6 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
     for ks in tl.static_range(D // 16):
         zw = zw + (tl.zeros([N], tl.int32),)
     bias = _mean_mma(zw, zw, bm, (zf, zf, zf, zf), N, D, FAST)[0]  # means of 0: 128 * sum q
-    # the first chunk's page ids; each iteration loads the next one's (a DRAM round trip
-    # off the chunk's chain of dependent loads)
-    nxt_a = tl.load(pt_row + (c0 + warp) * 16 + gr, mask=((c0 + warp) * 16 + gr < n - 1)
-                    & (c0 + warp < c1), other=0)
-    nxt_b = tl.load(pt_row + (c0 + warp) * 16 + gr + 8,
-                    mask=((c0 + warp) * 16 + gr + 8 < n - 1) & (c0 + warp < c1), other=0)
     m_acc = tl.full([N], -1e30, tl.float32)  # per lane (head t): running max of its pages
     l_acc = tl.zeros([N], tl.float32)        # and sum of exp2(x - max)
     t_ok = t < G
@@ -387,12 +373,8 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
         ok_a = (page_a < n - 1) & (cc < c1)  # full pages of the warp's chunk
         ok_b = (page_a + 8 < n - 1) & (cc < c1)
         # pages not scored read page 0 (a valid row) unpredicated; their x is masked below
-        pt_a = nxt_a
-        pt_b = nxt_b
-        nc = cc + NW
-        nxt_a = tl.load(pt_row + nc * 16 + gr, mask=(nc * 16 + gr < n - 1) & (nc < c1), other=0)
-        nxt_b = tl.load(pt_row + nc * 16 + gr + 8, mask=(nc * 16 + gr + 8 < n - 1) & (nc < c1),
-                        other=0)
+        pt_a = tl.load(pt_row + page_a, mask=ok_a, other=0)
+        pt_b = tl.load(pt_row + page_a + 8, mask=ok_b, other=0)
         pid_a = pt_a.to(tl.int64)
         pid_b = pt_b.to(tl.int64)
         ks_a = tl.load(kscale_ptr + pid_a)
