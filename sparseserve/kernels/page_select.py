@@ -45,9 +45,12 @@ STREAM_PROGRAMS_PER_SM = 12
 # launch took 246.0 us against the stream's 259.8 (sparse.md, twenty-fourth session; measured
 # once: the default stays 3)
 LEAN_WARPS = 2
-# sparq_kernel=5 (sparq_lanes): warps score 16-page chunks independently; programs per SM
-# of the split heuristic (not tuned on a GPU yet)
-LANE_PROGRAMS_PER_SM = 12
+# sparq_kernel=5 (sparq_lanes): warps score 16-page chunks independently, 4 programs of 4
+# warps an SM (128 registers); every program does the same work, so the split count that
+# fills whole waves wins: at 128k x 16 on the H100, 8 splits (two waves of 4 a SM) 138.4 us,
+# 13 (12 programs a SM, 3.15 waves) 150.0, 16 144.3, 32 158.0 (sparse.md, twenty-seventh
+# session); programs per SM targeted, the splits rounded to the nearest
+LANE_PROGRAMS_PER_SM = 8
 # ... and a register cap for its score launch (0: none): fewer registers, more warps an SM to
 # hide its latencies (SPARSESERVE_SELECT_MAXNREG, to sweep on a GPU)
 LANE_MAXNREG = int(os.environ.get("SPARSESERVE_SELECT_MAXNREG", 0))
@@ -70,15 +73,17 @@ def _num_sms(index) -> int:
 
 
 def _default_splits(q, rows: int, chunks: int, block_w: int,
-                    per_sm: int = SPLIT_PROGRAMS_PER_SM) -> int:
+                    per_sm: int = SPLIT_PROGRAMS_PER_SM, nearest: bool = False) -> int:
     """Programs per row for the score phase: 1 (fused) once rows alone give ``per_sm``
     programs per SM, or when a row (``chunks`` of ``block_w`` pages) has at most
-    FUSED_MAX_PAGES pages."""
+    FUSED_MAX_PAGES pages; ``per_sm * SMs / rows`` rounded up (``nearest``: to the nearest,
+    for programs that fill whole waves)."""
     if chunks * block_w <= FUSED_MAX_PAGES:
         return 1
     sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if q.is_cuda else CPU_SMS
-    return max(1, min(chunks, triton.cdiv(per_sm * sms, rows), MAX_SPLITS))
+    want = round(per_sm * sms / rows) if nearest else triton.cdiv(per_sm * sms, rows)
+    return max(1, min(chunks, want, MAX_SPLITS))
 
 
 def _lanes_fit(rec_kind, page_size, channels, group, head_dim, kmean, rec) -> bool:
@@ -202,7 +207,9 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     num_splits, block_w, num_warps = (num_splits or NUM_SPLITS, block_w or BLOCK_W,
                                       num_warps or NUM_WARPS)
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    version = (SPARQ_KERNEL if sparq_kernel is None else sparq_kernel) if sparq else 0
+    # the default score phase: the per-lane kernel compiled; the stream in the interpreter,
+    # where the lanes' emulation is ~15x slower (CPU serving never runs these kernels)
+    version = ((sparq_kernel or SPARQ_KERNEL or (5 if q.is_cuda else 3)) if sparq else 0)
     if sparq and version not in (1, 2, 3, 4, 5):
         raise ValueError(f"select_pages: sparq_kernel={version} (or SPARSESERVE_SPARQ_KERNEL) is "
                          f"not a score phase: pass 1 (sparq_codes), 2 (sparq_tiles), 3 "
@@ -244,7 +251,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     splits = num_splits or _default_splits(
         q, B * Hkv, chunks, block_w,
         STREAM_PROGRAMS_PER_SM if version in (3, 4) else LANE_PROGRAMS_PER_SM if version == 5
-        else SPLIT_PROGRAMS_PER_SM)
+        else SPLIT_PROGRAMS_PER_SM, nearest=version == 5)
     splits = max(1, min(splits, chunks, MAX_SPLITS))
     cps = triton.cdiv(chunks, splits)
     splits = triton.cdiv(chunks, cps)

@@ -66,8 +66,9 @@ patch_triton_interpreter()
 
 __all__ = ["sparq_score_tiles", "log2_fast", "SPARQ_KERNEL", "SPARQ_ASM", "TILE_PAGES"]
 
-# 3: sparq_stream (the default); 2: this module's score phase; 1: sparq_codes.sparq_page_x
-SPARQ_KERNEL = int(os.environ.get("SPARSESERVE_SPARQ_KERNEL", 3))
+# 0 (the default): 5, sparq_lanes, on CUDA, 3 (sparq_stream) in the interpreter; 4: the stream
+# in 2-warp programs; 2: this module's score phase; 1: sparq_codes.sparq_page_x
+SPARQ_KERNEL = int(os.environ.get("SPARSESERVE_SPARQ_KERNEL", 0))
 SPARQ_ASM = os.environ.get("SPARSESERVE_SPARQ_ASM", "1") not in ("0", "")
 TILE_PAGES = 64  # BW: pages per chunk (page terms), sub-tiles of 16 for the tokens
 MAGIC_F32 = 0x3F800000  # the bits of 1.0f (a kernel argument: the compiler keeps it in a

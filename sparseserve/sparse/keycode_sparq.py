@@ -101,8 +101,8 @@ class KeyCodeSparQ(SparseAlgorithm):
     bits = 2
     channels = 16  # R (at most head_dim)
     fused_select = os.environ.get("SPARSESERVE_FUSED_SELECT", "1") not in ("0", "")
-    score_kernel = None  # score phase: 3 sparq_stream (4: 2-warp split programs), 2 sparq_tiles,
-    # 1 sparq_codes (None: env)
+    score_kernel = None  # score phase: 5 sparq_lanes (the default on CUDA), 3 sparq_stream (the
+    # default interpreted; 4: 2-warp split programs), 2 sparq_tiles, 1 sparq_codes (None: env)
     decode_asm = None    # sparq_tiles' bf16x2 decode on the GPU (None: env)
     select_splits = None  # score programs per row (None: select_pages' heuristic / env)
     select_warps = None  # warps per select program (None: select_pages' choice / env)
@@ -163,7 +163,8 @@ class KeyCodeSparQ(SparseAlgorithm):
         """The fused select's score phase loads whole records (``sparq_tiles`` /
         ``sparq_stream``: 2-4, ``sparq_lanes``: 5), where the interleave's addressing applies;
         ``sparq_codes`` (1) reads them through their row views."""
-        return (SPARQ_KERNEL if self.score_kernel is None else self.score_kernel) in (2, 3, 4, 5)
+        # 0: the default, 5 on CUDA (3 interpreted): both read whole records
+        return (self.score_kernel or SPARQ_KERNEL) in (0, 2, 3, 4, 5)
 
     def summary_bytes(self, rows, head_dim, element_size, device_type="cpu", page_chunk=1):
         """``make_summaries``' bytes: the records' rows rounded up to whole chunks."""

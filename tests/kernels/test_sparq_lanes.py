@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sparseserve.kernels import ref
+from sparseserve.kernels.page_select import _default_splits
 from sparseserve.kernels.sparq_lanes import lanes_supported
 from sparseserve.sparse.keycode_sparq import KeyCodeSparQ
 from tests.conftest import DEVICE
@@ -142,3 +143,13 @@ def test_uncovered_configurations_run_the_stream():
     assert torch.equal(x3.nan_to_num(), x5.nan_to_num())
     for a, b in zip(s3, s5):
         assert torch.equal(a, b)
+
+
+def test_lane_splits_fill_whole_waves():
+    """Kernel 5's split count is rounded to the nearest (its programs all take as long, so
+    a last wave of a few programs costs a whole one); the others' is rounded up."""
+    q = torch.zeros(1, 1, 1)  # CPU: the heuristic's CPU_SMS (8) stands in for the SMs
+    assert _default_splits(q, 7, 4096, 16, 8, nearest=True) == 9   # 64 / 7 = 9.1
+    assert _default_splits(q, 7, 4096, 16, 8) == 10
+    assert _default_splits(q, 128, 4096, 16, 8, nearest=True) == 1
+    assert _default_splits(q, 7, 10, 16, 8, nearest=True) == 1     # 160 pages: fused

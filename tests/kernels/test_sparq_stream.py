@@ -110,12 +110,13 @@ def test_stream_wide_row_and_warps():
 
 def test_algorithm_knob_selects_the_stream_kernel():
     """``keycode2-sparq@score_kernel=N`` (a class attribute) picks the score phase of the
-    algorithm's fused select: the stream (3, the default) and the tiles (2) choose the same
+    algorithm's fused select: the stream (3) and the tiles (2) choose the same
     pages on the same summaries."""
     (new, _), q, table, num, _ = _pair([97, 54], 8, 2, 64, 32, torch.bfloat16, 3)
     alg, summ = new
     last = to_dev(torch.full((2,), 5, dtype=torch.int32))
-    stream = alg.select_kernel(q, table, num, last, summ, backend="triton")  # the default
+    alg.score_kernel = 3  # the default interpreted (compiled: sparq_lanes, test_sparq_lanes)
+    stream = alg.select_kernel(q, table, num, last, summ, backend="triton")
     alg.score_kernel = 2
     tiles = alg.select_kernel(q, table, num, last, summ, backend="triton")
     for a, b in zip(tiles, stream):
