@@ -46,10 +46,10 @@ STREAM_PROGRAMS_PER_SM = 12
 # once: the default stays 3)
 LEAN_WARPS = 2
 # sparq_kernel=5 (sparq_lanes): warps score 16-page chunks independently, 4 programs of 4
-# warps an SM (128 registers); every program does the same work, so the split count that
-# fills whole waves wins: at 128k x 16 on the H100, 8 splits (two waves of 4 a SM) 138.4 us,
-# 13 (12 programs a SM, 3.15 waves) 150.0, 16 144.3, 32 158.0 (sparse.md, twenty-seventh
-# session); programs per SM targeted, the splits rounded to the nearest
+# warps an SM (128 registers); every program does the same work, so a last wave of a few
+# programs costs a whole one: at 128k x 16 on the H100, 8 splits (two waves of 4 a SM)
+# 138.4 us, 13 (12 programs a SM, 3.15 waves) 150.0, 16 144.3, 32 158.0 (sparse.md,
+# twenty-seventh session). The most splits whose programs fit in this many per SM (two waves)
 LANE_PROGRAMS_PER_SM = 8
 # ... and a register cap for its score launch (0: none): fewer registers, more warps an SM to
 # hide its latencies (SPARSESERVE_SELECT_MAXNREG, to sweep on a GPU)
@@ -73,25 +73,29 @@ def _num_sms(index) -> int:
 
 
 def _default_splits(q, rows: int, chunks: int, block_w: int,
-                    per_sm: int = SPLIT_PROGRAMS_PER_SM, nearest: bool = False) -> int:
+                    per_sm: int = SPLIT_PROGRAMS_PER_SM, within: bool = False) -> int:
     """Programs per row for the score phase: 1 (fused) once rows alone give ``per_sm``
     programs per SM, or when a row (``chunks`` of ``block_w`` pages) has at most
-    FUSED_MAX_PAGES pages; ``per_sm * SMs / rows`` rounded up (``nearest``: to the nearest,
-    for programs that fill whole waves)."""
+    FUSED_MAX_PAGES pages; ``per_sm * SMs / rows`` rounded up (``within``: down, so that
+    programs of equal work never spill into a nearly empty extra wave)."""
     if chunks * block_w <= FUSED_MAX_PAGES:
         return 1
     sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if q.is_cuda else CPU_SMS
-    want = round(per_sm * sms / rows) if nearest else triton.cdiv(per_sm * sms, rows)
+    want = per_sm * sms // rows if within else triton.cdiv(per_sm * sms, rows)
     return max(1, min(chunks, want, MAX_SPLITS))
 
 
-def _lanes_fit(rec_kind, page_size, channels, group, head_dim, kmean, rec) -> bool:
+def _lanes_fit(q, rec_kind, page_size, channels, group, head_dim, kmean, rec) -> bool:
     """``sparq_lanes``' configurations (``lanes_supported``) with its 16-byte vector loads
-    of the means and records aligned."""
+    of the means and records aligned, on an NVIDIA GPU with ``mma.m16n8k16`` (sm_80 on; or
+    Triton's interpreter, which emulates it)."""
+    if q.is_cuda and (torch.version.hip is not None
+                      or torch.cuda.get_device_capability(q.device) < (8, 0)):
+        return False
     return lanes_supported(rec_kind, page_size, channels, group, head_dim) \
         and kmean.data_ptr() % 16 == 0 and kmean.stride(0) % 16 == 0 \
-        and rec.data_ptr() % 16 == 0
+        and rec.data_ptr() % 16 == 0 and rec.stride(0) % 4 == 0
 
 
 def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pages, sink_pages,
@@ -223,20 +227,26 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
         version = 1  # sparq_tiles / sparq_stream: int8 means, 16 to 64 tokens a page
     # whole-record loads: sparq_tiles / _stream with 4-word records (else their strided views)
     rec_kind = rec_kind if version >= 2 and rec_kind and sparq_rec.shape[1] == 4 * D else 0
-    if version == 5 and not _lanes_fit(rec_kind, ps, R, Hq // Hkv, D, kmean, sparq_rec):
-        if sparq_kernel == 5:
+    if version == 5 and not _lanes_fit(q, rec_kind, ps, R, Hq // Hkv, D, kmean, sparq_rec):
+        if sparq_kernel == 5 or SPARQ_KERNEL == 5:  # asked for (not the default's choice)
             warnings.warn(f"select_pages: sparq_kernel=5 (sparq_lanes) covers 4-word records "
                           f"with a 16-bit box, page 32, 16 channels, GQA groups <= 4 and "
-                          f"head_dim 64 / 128 on 16-byte aligned means; this call (page "
+                          f"head_dim 64 / 128 on 16-byte aligned means, on sm_80 or later; "
+                          f"this call (page "
                           f"{ps}, {R} channels, group {Hq // Hkv}, head_dim {D}) runs "
                           f"sparq_stream (3)", stacklevel=2)
         version = 3
     if rec_interleave != 1 and not rec_kind:
         raise ValueError(f"select_pages: rec_interleave={rec_interleave} needs 4-word records "
-                         f"read whole (sparq_rec with sparq_kernel 2-4, int8 means, page 16-64)")
+                         f"read whole (sparq_rec with sparq_kernel 2-5, int8 means, page 16-64)")
     if version == 2:  # chunks of TILE_PAGES pages (a multiple of 16: sub-tiles of 16)
         block_w = block_w if block_w and block_w % 16 == 0 else TILE_PAGES
     elif version == 5:  # a warp's chunk
+        if block_w not in (None, LANE_PAGES):
+            warnings.warn(f"select_pages: block_w={block_w} (or SPARSESERVE_SELECT_BLOCK_W) does "
+                          f"nothing for sparq_lanes (sparq_kernel=5), whose warps score "
+                          f"{LANE_PAGES}-page chunks; pass sparq_kernel=2 to sweep it",
+                          stacklevel=2)
         block_w = LANE_PAGES
     elif version in (3, 4):  # one sub-tile an iteration
         if block_w not in (None, STREAM_PAGES):
@@ -251,7 +261,7 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
     splits = num_splits or _default_splits(
         q, B * Hkv, chunks, block_w,
         STREAM_PROGRAMS_PER_SM if version in (3, 4) else LANE_PROGRAMS_PER_SM if version == 5
-        else SPLIT_PROGRAMS_PER_SM, nearest=version == 5)
+        else SPLIT_PROGRAMS_PER_SM, within=version == 5)
     splits = max(1, min(splits, chunks, MAX_SPLITS))
     cps = triton.cdiv(chunks, splits)
     splits = triton.cdiv(chunks, cps)

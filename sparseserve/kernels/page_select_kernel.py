@@ -9,9 +9,9 @@ in Triton, replacing ``SparseAlgorithm.select``'s score kernel, ~30 torch ops an
    and negative parts of the heads (GP = G padded to 16; operands in the summary dtype, where
    q+ / q- are exact, fp32 accumulation; IEEE for fp32 summaries). Key-code algorithms put
    the log-sum-exp of a page's approximate token logits here instead (``code_scores``,
-   ``channel_codes``, ``sparq_lanes`` / ``sparq_stream`` / ``sparq_tiles``; GP = G padded to 4). Every full
-   page is scored (kept ones too: they normalise); the partial last page, whose summary is
-   not built yet, is not.
+   ``channel_codes``, ``sparq_lanes`` / ``sparq_stream`` / ``sparq_tiles``; GP = G padded
+   to 4). Every full page is scored (kept ones too: they normalise); the partial last page,
+   whose summary is not built yet, is not.
 2. Normalisation. ``x_g = u_g * D**-0.5 * log2(e)`` is written to a ``[G, W]`` fp32 scratch row
    while an online max / sum-of-exp2 per head runs over the full pages (as flash attention
    does), giving ``lse_g``. Split mode keeps one partial (max, sum) per split program and the

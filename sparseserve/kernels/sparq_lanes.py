@@ -27,12 +27,14 @@ Per warp and chunk of 16 pages (``m16n8k16`` fp16 mmas, fp32 accumulation; lane
    lays them out; the A operand is the codes' bits themselves as fp16 subnormals
    ``code * 4^j * 2^-24`` (``j = gr % 4``, a token's bit position in its byte: one ``prmt`` and
    one ``lop3`` a register, no conversion, no per-element multiply), the B operand is
-   ``q[h, c] * step_c * 2^-8`` for the page (the step folded into B instead of into every
-   decoded code), and C starts at the page's centring term, so the output is each token's
-   approximate logit minus the mean key's, ``d``, scaled by ``4^j * 2^-32`` per lane. Those
-   deviations are centred (the mean of a page's keys is their centre), so ``x = base +
-   log2 sum_t exp2(d_t)`` needs no running max (``d`` is clamped at 126 against an absurd
-   overflow); the sum over a page's 32 tokens is the lane's 4, then the 8 lanes of a ``t``
+   ``q[h, c] * step_c * 2^-4`` for the page (the step folded into B instead of into every
+   decoded code; the widths ``hi - lo`` come from the lanes that loaded the page in step 1, so
+   only A waits on the page's load), and the mma's output, scaled by ``4^(-j) * 2^28`` per
+   lane, plus the page's centring term (one fma) is each token's approximate logit minus the
+   mean key's, ``d``. Those deviations are centred (the mean of a page's keys is their
+   centre), so ``x = base + log2 sum_t exp2(d_t)`` needs no running max (the log is clamped
+   at 126 against an absurd overflow, NaN kept); the sum over a page's 32 tokens is the lane's
+   4, then the 8 lanes of a ``t``
    are summed for 8 pages at once (``_sum8``: 7 ``shfl.bfly`` for 8 pages, lane ``gr``
    receiving page ``gr``'s sum).
 3. The chunk's 16 x values end on lanes ``(p % 8, t)``; they are stored and folded into the
@@ -421,8 +423,11 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
                 sa = sa + (part,)
             else:
                 sb = sb + (part,)
-        xa = base_a + tl.minimum(log2_fast(_sum8(sa, gr, N, FAST), FAST), 126.0)
-        xb = base_b + tl.minimum(log2_fast(_sum8(sb, gr, N, FAST), FAST), 126.0)
+        # min.f32 returns the number for a NaN operand: propagate it, as the reference does
+        xa = base_a + tl.minimum(log2_fast(_sum8(sa, gr, N, FAST), FAST), 126.0,
+                                 propagate_nan=tl.PropagateNan.ALL)
+        xb = base_b + tl.minimum(log2_fast(_sum8(sb, gr, N, FAST), FAST), 126.0,
+                                 propagate_nan=tl.PropagateNan.ALL)
         # 3. store and fold into the running (max, sum)
         tl.store(s_row + t * stride_sg + page_a, xa, mask=ok_a & t_ok)
         tl.store(s_row + t * stride_sg + page_a + 8, xb, mask=ok_b & t_ok)

@@ -72,3 +72,25 @@ def test_sparq_kernel4_select_compiles_for_sm90():
     out = compile_in_subprocess(rec.specs)
     assert sorted(line.split()[0] for line in out.splitlines()) == sorted(
         s["name"] for s in rec.specs)
+
+
+def test_sparq_lanes_select_compiles_for_sm90():
+    """keycode2-sparq's default select on CUDA (``sparq_kernel=5``: ``sparq_lanes``' inline
+    PTX, which the interpreter emulates instead of compiling): its split score launch (4
+    warps) and a fused launch of 8 warps compile for sm_90 with the GPU path on (FAST)."""
+    from tests.kernels.test_sparq_records import _pair
+    from tests.kernels.test_sparq_stream import _select
+
+    (new, _), q, table, num, ch = _pair([97, 40], 8, 2, 128, 32, torch.bfloat16, 5)
+    with LaunchRecorder() as rec:
+        _select(new[0].views(new[1]), q, table, num, ch, 5, splits=3)
+        _select(new[0].views(new[1]), q, table, num, ch, 5, splits=1, warps=8)
+    specs = [s for s in rec.specs if s["name"] == "_page_select_kernel"]
+    for s in specs:
+        names = list(s["signature"])
+        assert s["constexprs"][str(names.index("SPARQ"))] == 5
+        s["constexprs"][str(names.index("FAST"))] = True  # the GPU path: inline PTX
+    assert {s["options"].get("num_warps") for s in specs} >= {4, 8}
+    out = compile_in_subprocess(specs)
+    assert sorted(line.split()[0] for line in out.splitlines()) == sorted(
+        s["name"] for s in specs)

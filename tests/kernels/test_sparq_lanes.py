@@ -81,16 +81,16 @@ def _check(npages, Hq, Hkv, D, dtype, seed, runs=((1, None), (3, None))):
 
 @pytest.mark.parametrize("Hq,Hkv,D,dtype,npages", [
     (8, 2, 64, torch.bfloat16, [1, 17, 54, 97]), (9, 3, 64, torch.float16, [1, 17, 54]),
-    (4, 4, 128, torch.bfloat16, [17, 54])],
-    ids=["gqa4-d64-bf16", "gqa3-d64-f16", "mha-d128-bf16"])
+    (8, 2, 128, torch.bfloat16, [17, 54]), (4, 4, 64, torch.bfloat16, [17, 33])],
+    ids=["gqa4-d64-bf16", "gqa3-d64-f16", "gqa4-d128-bf16", "mha-d64-bf16"])
 def test_lanes_equal_reference_and_stream(Hq, Hkv, D, dtype, npages):
     _check(npages, Hq, Hkv, D, dtype, Hq + D)
 
 
 def test_lanes_long_row_and_eight_warps():
-    """A 300-page row beside a 5-page one (several chunks a warp, a partial last chunk),
-    split with 4 warps and fused with 8."""
-    _check([300, 5], 8, 2, 64, torch.bfloat16, 5, runs=((4, None), (1, 8)))
+    """A 150-page row beside a 5-page one (a partial last chunk), split in 2 programs of 4
+    warps and fused with 8: warps score two chunks each, some of them none."""
+    _check([150, 5], 8, 2, 64, torch.bfloat16, 5, runs=((2, None), (1, 8)))
 
 
 def test_lanes_through_the_algorithm_with_interleaved_records():
@@ -145,11 +145,11 @@ def test_uncovered_configurations_run_the_stream():
         assert torch.equal(a, b)
 
 
-def test_lane_splits_fill_whole_waves():
-    """Kernel 5's split count is rounded to the nearest (its programs all take as long, so
-    a last wave of a few programs costs a whole one); the others' is rounded up."""
+def test_lane_splits_stay_within_whole_waves():
+    """Kernel 5's split count is rounded down (its programs all take as long, so a last wave
+    of a few programs costs a whole one); the others' is rounded up."""
     q = torch.zeros(1, 1, 1)  # CPU: the heuristic's CPU_SMS (8) stands in for the SMs
-    assert _default_splits(q, 7, 4096, 16, 8, nearest=True) == 9   # 64 / 7 = 9.1
-    assert _default_splits(q, 7, 4096, 16, 8) == 10
-    assert _default_splits(q, 128, 4096, 16, 8, nearest=True) == 1
-    assert _default_splits(q, 7, 10, 16, 8, nearest=True) == 1     # 160 pages: fused
+    assert _default_splits(q, 7, 4096, 16, 8, within=True) == 9    # 63 programs <= 64
+    assert _default_splits(q, 7, 4096, 16, 8) == 10                # 70 programs
+    assert _default_splits(q, 100, 4096, 16, 8, within=True) == 1
+    assert _default_splits(q, 7, 10, 16, 8, within=True) == 1      # 160 pages: fused
