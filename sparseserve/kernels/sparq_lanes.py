@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 from . import patch_triton_interpreter
+from .lane_ops import byte_pair, f16x2, ldg4, ldg4_at, mma_m16n8k16, shfl_f32, shfl_idx, shfl_xor
 from .sparq_tiles import _rec_box, log2_fast, rec_word
 
 patch_triton_interpreter()
@@ -73,42 +74,7 @@ def lanes_supported(rec_kind: int, page_size: int, channels: int, group: int,
         and head_dim in (64, 128)
 
 
-# --- lane primitives: inline PTX on the GPU, gathers over the lane axis in the interpreter ---
-
-@triton.jit
-def _lane_base(N: tl.constexpr):
-    """[N] the flat index of lane 0 of each element's warp."""
-    e = tl.arange(0, N)
-    return e - e % 32
-
-
-@triton.jit
-def _shfl_idx(x, src, N: tl.constexpr, FAST: tl.constexpr):
-    """int32 ``x`` of lane ``src`` [N] (0..31) of the same warp."""
-    if FAST:
-        return tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;",
-                                         "=r,r,r", [x, src], dtype=tl.int32, is_pure=True,
-                                         pack=1)
-    else:
-        return tl.gather(x, _lane_base(N) + src, axis=0)
-
-
-@triton.jit
-def _shfl_f32(x, src, N: tl.constexpr, FAST: tl.constexpr):
-    return _shfl_idx(x.to(tl.int32, bitcast=True), src, N, FAST).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _shfl_xor(x, m: tl.constexpr, N: tl.constexpr, FAST: tl.constexpr):
-    """fp32 ``x`` of lane ``lane ^ m``."""
-    if FAST:
-        return tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, $2, 0x1f, 0xffffffff;",
-                                         "=f,f,r", [x, tl.full([N], m, tl.int32)],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        e = tl.arange(0, N)
-        return tl.gather(x, e ^ m, axis=0)
-
+# --- the score phase ---
 
 @triton.jit
 def _sum8(v, gr, N: tl.constexpr, FAST: tl.constexpr):
@@ -121,113 +87,14 @@ def _sum8(v, gr, N: tl.constexpr, FAST: tl.constexpr):
     b0 = gr % 2 == 1
     w = ()
     for i in tl.static_range(4):  # lane bit 2 (lane ^ 16): pages b2 * 4 + i
-        w = w + (tl.where(b2, v[4 + i], v[i]) + _shfl_xor(tl.where(b2, v[i], v[4 + i]), 16,
+        w = w + (tl.where(b2, v[4 + i], v[i]) + shfl_xor(tl.where(b2, v[i], v[4 + i]), 16,
                                                            N, FAST),)
     u = ()
     for i in tl.static_range(2):  # lane bit 1 (lane ^ 8): pages b2 * 4 + b1 * 2 + i
-        u = u + (tl.where(b1, w[2 + i], w[i]) + _shfl_xor(tl.where(b1, w[i], w[2 + i]), 8,
+        u = u + (tl.where(b1, w[2 + i], w[i]) + shfl_xor(tl.where(b1, w[i], w[2 + i]), 8,
                                                            N, FAST),)
-    return tl.where(b0, u[1], u[0]) + _shfl_xor(tl.where(b0, u[0], u[1]), 4, N, FAST)
+    return tl.where(b0, u[1], u[0]) + shfl_xor(tl.where(b0, u[0], u[1]), 4, N, FAST)
 
-
-@triton.jit
-def _ldg4(ptr, FAST: tl.constexpr):
-    """Four int32 words at ``ptr`` [N] (16-byte aligned): one vector load a lane, not
-    predicated (callers point pages they do not score at page 0, a valid row, and mask what
-    follows from it: no predicate, no zeroing)."""
-    if FAST:
-        return tl.inline_asm_elementwise(
-            "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
-            [ptr.to(tl.int64, bitcast=True)],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    else:
-        return tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3)
-
-
-@triton.jit
-def _ldg4_at(base, word, FAST: tl.constexpr):
-    """``_ldg4(base + word)``, the address formed in the load's asm (one ``mad.wide`` of the
-    int32 word offset onto the int32 pointer ``base``: Triton would add a hoisted 64-bit
-    offset, two instructions)."""
-    if FAST:
-        return tl.inline_asm_elementwise(
-            "{ .reg .u64 a; mad.wide.s32 a, $5, 4, $4; "
-            "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [a]; }", "=r,=r,=r,=r,l,r",
-            [base.to(tl.int64, bitcast=True), word],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    else:
-        return _ldg4(base + word, FAST)
-
-
-@triton.jit
-def _byte_pair(a, b, ia, ib, FAST: tl.constexpr):
-    """int32 with byte ``ia`` of ``a`` in bits 0-7 and byte ``ib`` of ``b`` in bits 16-23
-    (``ia`` / ``ib`` 0..3, [N] or scalars; other bits unspecified: callers mask them)."""
-    if FAST:
-        sel = (tl.zeros_like(a) + ia) | ((tl.zeros_like(a) + ib + 4) << 8)
-        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        return ((a >> (8 * ia)) & 0xFF) | (((b >> (8 * ib)) & 0xFF) << 16)
-
-
-@triton.jit
-def _f16x2(lo, hi, FAST: tl.constexpr):
-    """fp32 ``lo``, ``hi`` rounded to fp16 and packed (``lo`` in the low half)."""
-    if FAST:
-        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [hi, lo],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        lb = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        hb = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        return lb | (hb << 16)
-
-
-@triton.jit
-def _half(w, k):
-    """fp32 value of half ``k`` (0 low, 1 high) of packed fp16 words ``w`` (emulation)."""
-    return ((w >> (16 * k)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, N: tl.constexpr, FAST: tl.constexpr):
-    """``mma.sync.m16n8k16.row.col.f32.f16.f16.f32`` of each warp: A / B fragments as packed
-    fp16 int32 registers, C / D fp32 (the PTX fragment layouts: lane (gr, t) holds A rows
-    gr / gr + 8 at K 2t, 2t + 1 (a0 / a1) and 2t + 8, 2t + 9 (a2 / a3), B K 2t, 2t + 1 (b0) and
-    2t + 8, 2t + 9 (b1) of column gr, D rows gr (d0, d1) / gr + 8 (d2, d3) at columns 2t,
-    2t + 1)."""
-    if FAST:
-        return tl.inline_asm_elementwise(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-            "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
-            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-    else:
-        e = tl.arange(0, N)
-        lane = (e % 32)[:, None, None]
-        base = (e - e % 32)[:, None, None]
-        r = tl.arange(0, 4)[None, :, None]  # output register
-        k = tl.arange(0, 16)[None, None, :]
-        z = tl.zeros([N, 4, 16], tl.int32)
-        row = lane // 4 + 8 * (r // 2) + z
-        col = 2 * (lane % 4) + r % 2 + z
-        # the registers stacked as join's order: register i at flat slot (i % 2) * 2 + i // 2
-        A = tl.reshape(tl.join(tl.join(a0, a1), tl.join(a2, a3)), (N * 4,))
-        B = tl.reshape(tl.join(b0, b1), (N * 2,))
-        a_reg = row // 8 + 2 * (k // 8)
-        a_src = (base + (row % 8) * 4 + (k % 8) // 2) * 4 + (a_reg % 2) * 2 + a_reg // 2
-        b_src = (base + col * 4 + (k % 8) // 2) * 2 + k // 8
-        kh = tl.reshape(k % 2 + z, (N * 64,))
-        av = _half(tl.gather(A, tl.reshape(a_src, (N * 64,)), axis=0), kh)
-        bv = _half(tl.gather(B, tl.reshape(b_src, (N * 64,)), axis=0), kh)
-        d = tl.sum(tl.reshape(av * bv, (N, 4, 16)), axis=2)  # [N, 4]: registers 0..3
-        d02, d13 = tl.split(tl.reshape(d, (N, 2, 2)))
-        d0, d2 = tl.split(d02)
-        d1, d3 = tl.split(d13)
-        return c0 + d0, c1 + d1, c2 + d2, c3 + d3
-
-
-# --- the score phase ---
 
 @triton.jit
 def _f16_q(qh_row, c, ok, qk_scale):
@@ -239,8 +106,8 @@ def _f16_q(qh_row, c, ok, qk_scale):
 def _mean_a(w, FAST: tl.constexpr):
     """A registers of one mean k-step from a word of 4 int8 means: bytes (0, 1) and (2, 3) as
     fp16 subnormals ``(mean + 128) * 2^-24`` (the byte with its sign bit flipped)."""
-    lo = _byte_pair(w, w, 0, 1, FAST)
-    hi = _byte_pair(w, w, 2, 3, FAST)
+    lo = byte_pair(w, w, 0, 1, FAST)
+    hi = byte_pair(w, w, 2, 3, FAST)
     return (lo & 0x00FF00FF) ^ 0x00800080, (hi & 0x00FF00FF) ^ 0x00800080
 
 
@@ -251,7 +118,7 @@ def _mean_mma(wa, wb, bm, c, N: tl.constexpr, D: tl.constexpr, FAST: tl.constexp
     for ks in tl.static_range(D // 16):
         a0, a2 = _mean_a(wa[ks], FAST)
         a1, a3 = _mean_a(wb[ks], FAST)
-        c = _mma(a0, a1, a2, a3, bm[2 * ks], bm[2 * ks + 1], c[0], c[1], c[2], c[3], N, FAST)
+        c = mma_m16n8k16(a0, a1, a2, a3, bm[2 * ks], bm[2 * ks + 1], c[0], c[1], c[2], c[3], N, FAST)
     return c
 
 
@@ -260,9 +127,9 @@ def _mean_words(mean_ptr, pid, stride_mean, t, D: tl.constexpr, FAST: tl.constex
     """The lane's D / 4 int8 means (channels D / 4 * t ..) of page ``pid`` as D / 16 words."""
     p = (mean_ptr + pid * stride_mean + (D // 4) * t).to(tl.pointer_type(tl.int32),
                                                         bitcast=True)
-    w = _ldg4(p, FAST)
+    w = ldg4(p, FAST)
     if D == 128:
-        w = w + _ldg4(p + 4, FAST)
+        w = w + ldg4(p + 4, FAST)
     return w
 
 
@@ -300,13 +167,13 @@ def _page_partial(page_rec, o, width, chw, qe, qo, sel_a, sel_b, cmask, isig,
     for m in tl.static_range(4):
         # B from the widths shuffled in, known before the load: only A waits on it (the
         # box word unused, ptxas splits the 16-byte load into two 4-byte ones)
-        _, wc0, wc1, _ = _ldg4_at(page_rec, chw[m], FAST)
-        b = b + (_f16x2(width[m] * qe[m], width[m] * qo[m], FAST),)
-        a = a + (_byte_pair(wc0, wc1, sel_a, sel_a, FAST) & cmask,
-                 _byte_pair(wc0, wc1, sel_b, sel_b, FAST) & cmask)
+        _, wc0, wc1, _ = ldg4_at(page_rec, chw[m], FAST)
+        b = b + (f16x2(width[m] * qe[m], width[m] * qo[m], FAST),)
+        a = a + (byte_pair(wc0, wc1, sel_a, sel_a, FAST) & cmask,
+                 byte_pair(wc0, wc1, sel_b, sel_b, FAST) & cmask)
     z = tl.zeros_like(o)
-    d0, d1, d2, d3 = _mma(a[0], a[1], a[2], a[3], b[0], b[1], z, z, z, z, N, FAST)
-    d0, d1, d2, d3 = _mma(a[4], a[5], a[6], a[7], b[2], b[3], d0, d1, d2, d3, N, FAST)
+    d0, d1, d2, d3 = mma_m16n8k16(a[0], a[1], a[2], a[3], b[0], b[1], z, z, z, z, N, FAST)
+    d0, d1, d2, d3 = mma_m16n8k16(a[4], a[5], a[6], a[7], b[2], b[3], d0, d1, d2, d3, N, FAST)
     # d = o + D / (4^j 2^-28), one fma each; an exp2 past fp32's range (a deviation > 127:
     # no real key) is inf, clamped after the log
     return tl.exp2(d0 * isig + o) + tl.exp2(d1 * isig + o) + tl.exp2(d2 * isig + o) \
@@ -352,14 +219,14 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
         qs = qv * 0.015625  # B = q * step * 2^-4, step = (hi - lo) / 4
         qe = qe + (tl.where(even, qs, 0.0),)
         qo = qo + (tl.where(even, 0.0, qs),)
-    b_off0 = _f16x2(qc[0], qc[1], FAST)  # the centring mma's B: K (2t, 2t + 1) = slots t, t + 4
-    b_off1 = _f16x2(qc[2], qc[3], FAST)
+    b_off0 = f16x2(qc[0], qc[1], FAST)  # the centring mma's B: K (2t, 2t + 1) = slots t, t + 4
+    b_off1 = f16x2(qc[2], qc[3], FAST)
     bm = ()  # the mean mma's B: K (2t, 2t + 1), (2t + 8, 2t + 9) = channels D / 4 t + 4 ks + 0..3
     for ks in tl.static_range(D // 16):
         cb = (D // 4) * t + 4 * ks
-        bm = bm + (_f16x2(_f16_q(qh_row, cb, h_ok, qk_scale),
+        bm = bm + (f16x2(_f16_q(qh_row, cb, h_ok, qk_scale),
                           _f16_q(qh_row, cb + 1, h_ok, qk_scale), FAST),
-                   _f16x2(_f16_q(qh_row, cb + 2, h_ok, qk_scale),
+                   f16x2(_f16_q(qh_row, cb + 2, h_ok, qk_scale),
                           _f16_q(qh_row, cb + 3, h_ok, qk_scale), FAST))
     zf = tl.zeros([N], tl.float32)
     zw = ()
@@ -395,8 +262,8 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
         ra_hi = (roff_a >> 32).to(tl.int32)
         rb_lo = roff_b.to(tl.int32)
         rb_hi = (roff_b >> 32).to(tl.int32)
-        o_a, _, o_b, _ = _mma(_f16x2(oa[0], oa[1], FAST), _f16x2(ob[0], ob[1], FAST),
-                              _f16x2(oa[2], oa[3], FAST), _f16x2(ob[2], ob[3], FAST),
+        o_a, _, o_b, _ = mma_m16n8k16(f16x2(oa[0], oa[1], FAST), f16x2(ob[0], ob[1], FAST),
+                              f16x2(oa[2], oa[3], FAST), f16x2(ob[2], ob[3], FAST),
                               b_off0, b_off1, zf, zf, zf, zf, N, FAST)
         # 2. tokens, page by page, from lane (p % 8, t)'s record offset and centring term;
         # x of page p ends on lanes (p % 8, t)
@@ -405,17 +272,17 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
         for p in tl.static_range(16):
             src = 4 * (p % 8) + t
             if p < 8:
-                r_lo = _shfl_idx(ra_lo, src, N, FAST)
-                r_hi = _shfl_idx(ra_hi, src, N, FAST)
-                o = _shfl_f32(o_a, src, N, FAST)
-                wd = (_shfl_f32(wa[0], src, N, FAST), _shfl_f32(wa[1], src, N, FAST),
-                      _shfl_f32(wa[2], src, N, FAST), _shfl_f32(wa[3], src, N, FAST))
+                r_lo = shfl_idx(ra_lo, src, N, FAST)
+                r_hi = shfl_idx(ra_hi, src, N, FAST)
+                o = shfl_f32(o_a, src, N, FAST)
+                wd = (shfl_f32(wa[0], src, N, FAST), shfl_f32(wa[1], src, N, FAST),
+                      shfl_f32(wa[2], src, N, FAST), shfl_f32(wa[3], src, N, FAST))
             else:
-                r_lo = _shfl_idx(rb_lo, src, N, FAST)
-                r_hi = _shfl_idx(rb_hi, src, N, FAST)
-                o = _shfl_f32(o_b, src, N, FAST)
-                wd = (_shfl_f32(wb[0], src, N, FAST), _shfl_f32(wb[1], src, N, FAST),
-                      _shfl_f32(wb[2], src, N, FAST), _shfl_f32(wb[3], src, N, FAST))
+                r_lo = shfl_idx(rb_lo, src, N, FAST)
+                r_hi = shfl_idx(rb_hi, src, N, FAST)
+                o = shfl_f32(o_b, src, N, FAST)
+                wd = (shfl_f32(wb[0], src, N, FAST), shfl_f32(wb[1], src, N, FAST),
+                      shfl_f32(wb[2], src, N, FAST), shfl_f32(wb[3], src, N, FAST))
             roff = (r_hi.to(tl.int64) << 32) | (r_lo.to(tl.int64) & 0xFFFFFFFF)
             part = _page_partial(codes_ptr + roff, o, wd, chw, qe, qo, sel_a, sel_b, cmask,
                                  isig, N, FAST)
