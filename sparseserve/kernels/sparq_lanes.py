@@ -118,7 +118,8 @@ def _mean_mma(wa, wb, bm, c, N: tl.constexpr, D: tl.constexpr, FAST: tl.constexp
     for ks in tl.static_range(D // 16):
         a0, a2 = _mean_a(wa[ks], FAST)
         a1, a3 = _mean_a(wb[ks], FAST)
-        c = mma_m16n8k16(a0, a1, a2, a3, bm[2 * ks], bm[2 * ks + 1], c[0], c[1], c[2], c[3], N, FAST)
+        c = mma_m16n8k16(a0, a1, a2, a3, bm[2 * ks], bm[2 * ks + 1], c[0], c[1], c[2], c[3], N,
+                         FAST)
     return c
 
 
