@@ -241,13 +241,13 @@ class ModelRunner(SamplingStep):
         h = self._initial_hidden(chunks, offsets, input_ids)
         for a, b in layer_intervals(chunks):
             active = [i for i, c in enumerate(chunks) if c.layer_start <= a and c.layer_end >= b]
-            # a slot-free prompt's layer segment replays its layers' graphs, after the rest
-            tt = self._two_tier_chunk(chunks, active, h)
-            if tt is not None:
-                active.remove(tt)
+            # slot-free prompts' layer segments replay their layers' graphs, after the rest,
+            # one prompt after another (they share the graphs' static buffers)
+            graphed = self._two_tier_chunks(chunks, active, h)
+            active = [i for i in active if i not in graphed]
             if active:
                 h = self._run_group(h, chunks, offsets, active, positions, token_rows, a, b)
-            if tt is not None:
+            for tt in graphed:
                 sl = slice(offsets[tt], offsets[tt] + chunks[tt].num_tokens)
                 out = self.two_tier.run(h[sl], chunks[tt], a, b)
                 if len(chunks) == 1:
@@ -289,14 +289,15 @@ class ModelRunner(SamplingStep):
         ctx.finish_layers(a, b)
         return h
 
-    def _two_tier_chunk(self, chunks: list[ScheduledChunk], active: list[int],
-                        h: torch.Tensor) -> int | None:
-        """The active chunk whose layers replay the two-tier prefill graphs
-        (worker/two_tier_graphs.py): a slot-free prompt on the fused path; None if none."""
+    def _two_tier_chunks(self, chunks: list[ScheduledChunk], active: list[int],
+                         h: torch.Tensor) -> list[int]:
+        """The active chunks whose layers replay the two-tier prefill graphs
+        (worker/two_tier_graphs.py): every slot-free prompt within their largest bucket, on
+        the fused path."""
         tt = self.two_tier
         if tt is None or not self.model.use_fused_ops(h):
-            return None
-        return next((i for i in active if tt.runs(chunks[i])), None)
+            return []
+        return [i for i in active if tt.runs(chunks[i])]
 
     def _run_layers(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                     a: int, b: int) -> torch.Tensor:

@@ -15,20 +15,26 @@ from static device buffers and the layer is captured once per token bucket:
     -> summaries of the pages the prompt completes -> causal attention (cuDNN's plan of the
     bucket) -> O projection, norm, MLP -> join the save
 
-Per step the host stages the plan (save destinations, each token's page entry and offset,
-the completed pages' host ids: one host-to-device copy), maps the prompt's pages in every
-layer of the segment with the fused retrieve (as the eager path does, a handful of launches,
-then one copy of the slots into a static table), replays one graph per layer, rebuilds the
-residency indexes and issues one save ticket (an event on the saver's side stream, after the
-compute stream: it covers the step's saves and every earlier one, as the saver's tickets do).
+Per run (a slot-free prompt's layer segment; a step runs one per such prompt and layer
+interval, one after another over the same static buffers) the host stages the plan (save
+destinations, each token's page entry and offset, the completed pages' host ids: one
+host-to-device copy from a pinned buffer of a ring that never waits, StagingRing), maps the
+prompt's pages in every layer of the segment with the fused retrieve (as the eager path does,
+a handful of launches, then one copy of the slots into a static table), replays one graph per
+layer, rebuilds the residency indexes and issues one save ticket (an event on the saver's side
+stream, after the compute stream: it covers the step's saves and every earlier one, as the
+saver's tickets do).
 
 Padding: a step of T tokens runs the bucket b >= T. Rows [T, b) have a zero stream and the
 positions T.. (causal attention: no real row sees them), save to no page (page -1), store
 into the scratch slot (the static slot table's last column), and complete no page (their
-summaries are skipped: read id -1). Buckets are the cuDNN plans' lengths
-(prefill_attention.bucket_lengths), so the eager path and the graph attend over the same
-padded length. The stream enters as x with a zero residual (x + 0 is x: the same roundings
-as the eager path's first layer without one).
+summaries are skipped: read id -1). Their stream and residual stay zero from layer to layer
+(each layer writes zeros there instead of its output: no extra launch), so their q / k / v
+are those of a zero row (zero without a qkv bias, finite with one): no NaN can reach
+attention's P @ V through a padded key (0 * NaN), as the eager path's zero padding ensures.
+Buckets are the cuDNN plans' lengths (prefill_attention.bucket_lengths), so the eager path and
+the graph attend over the same padded length. The stream enters as x with a zero residual
+(x + 0 is x: the same roundings as the eager path's first layer without one).
 
 Without `capture` (CPU, tests) the layers run as plain calls over the same buffers (Triton's
 interpreter for the kernels where the test forces them), which exercises everything but the
@@ -56,6 +62,54 @@ logger = logging.getLogger("sparseserve")
 # >= ~8 ms on an H100 and the eager host time (~2 ms per layer) is a small share of it, while
 # the graphs' static buffers and pool grow with the bucket (engine/memory_plan.py counts them)
 MAX_TOKENS = 8192
+# staging buffers to start with: a step's runs (one per slot-free prompt and layer interval)
+# plus the previous step's under async scheduling; the ring grows past it rather than wait
+STAGING_BUFFERS = 4
+
+_TAKEN = object()  # a staging buffer handed out whose copy is not issued yet
+
+
+class StagingRing:
+    """Host staging buffers of the runs' plans, handed out in turn (the oldest first). A
+    buffer is handed out again only once the host-to-device copy that read it has completed
+    (its event's query(): no wait); when every buffer is still being read, a new one joins the
+    ring instead of waiting, so any number of runs per step never blocks the host (issue 12,
+    item 3). Steady state: as many buffers as copies in flight.
+
+    make() -> one set of buffers; events: objects with query() (torch.cuda.Event), or None for
+    a copy already complete (CPU)."""
+
+    def __init__(self, make, size: int = STAGING_BUFFERS) -> None:
+        if size < 1:
+            raise ValueError("a staging ring needs at least one buffer")
+        self._make = make
+        self.buffers = [make() for _ in range(size)]
+        self._events: list = [None] * size
+        self._next = 0  # the buffer handed out least recently
+
+    def take(self) -> tuple[int, tuple]:
+        """-> (index, buffers) of a buffer no copy reads any more (never waits)."""
+        n = len(self.buffers)
+        for j in range(n):
+            i = (self._next + j) % n
+            e = self._events[i]
+            if e is None or (e is not _TAKEN and e.query()):
+                self._events[i] = _TAKEN
+                self._next = (i + 1) % n
+                return i, self.buffers[i]
+        # all in flight: a new buffer in the oldest one's turn (that one stays next)
+        i = self._next
+        self.buffers.insert(i, self._make())
+        self._events.insert(i, _TAKEN)
+        self._next = (i + 1) % (n + 1)
+        logger.debug("two-tier prefill graphs: %d staging buffers in flight, one more", n)
+        return i, self.buffers[i]
+
+    def issued(self, i: int, event) -> None:
+        """The copy reading buffer i is issued; it is free once `event` completes (None: it
+        has)."""
+        assert self._events[i] is _TAKEN, f"staging buffer {i} was not taken"
+        self._events[i] = event
 
 
 class TwoTierPrefillGraphs:
@@ -105,12 +159,14 @@ class TwoTierPrefillGraphs:
         self.save_pages = save_pages.view(n, hkv)
         self.read = torch.zeros(hkv * nb, dtype=torch.int32, device=dev)
         self.ntok = torch.full((hkv * nb,), ps, dtype=torch.int32, device=dev)
+        # [n, 1] the run's padding rows (save page -1), set once per run from the plan: each
+        # layer keeps their stream and residual at zero (module docstring)
+        self.pad = torch.ones(n, 1, dtype=torch.bool, device=dev)
+        self._zero = torch.zeros((), dtype=dt, device=dev)
         pin = dev.type == "cuda"
-        # host staging, two sets used in turn (the one rewritten was copied two steps ago)
-        self._staging = [(torch.zeros(self._i64.shape, dtype=torch.long, pin_memory=pin),
-                          torch.zeros(self.read.shape, dtype=torch.int32, pin_memory=pin), None)
-                         for _ in range(2)]
-        self._turn = 0
+        self.staging = StagingRing(lambda: (
+            torch.zeros(self._i64.shape, dtype=torch.long, pin_memory=pin),
+            torch.zeros(self.read.shape, dtype=torch.int32, pin_memory=pin)))
         self._save_stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -157,8 +213,10 @@ class TwoTierPrefillGraphs:
                         self.sparse.summaries[layer], queries, pages_v)
         out = self._attend(q, k, v).reshape(b, -1)
         x, res = lyr.attention_outputs(out, res)
-        self.x[:b].copy_(x)
-        self.residual[:b].copy_(res)
+        # padding rows back to zero (their next layer's k / v: a zero row's), in the copies
+        pad = self.pad[:b]
+        torch.where(pad, self._zero, x, out=self.x[:b])
+        torch.where(pad, self._zero, res, out=self.residual[:b])
         if side is not None:  # join the save (k / v stay referenced until here)
             torch.cuda.current_stream(self.device).wait_stream(side)
 
@@ -195,22 +253,27 @@ class TwoTierPrefillGraphs:
         """Every (layer, bucket) graph, largest bucket first, with the idle plan (no save, no
         completed page, every token stored into the scratch slot). A no-op without
         `capture`."""
-        h64, h32, _ = self._staging[0]
+        i, (h64, h32) = self.staging.take()
         self._idle(h64, h32)
         self._i64.copy_(h64)
         self.read.copy_(h32)
+        self.staging.issued(i, None)  # a blocking copy: complete
+        self.pad.fill_(True)
         if not self.capture_graphs:
             return
         keys = [(layer, b) for b in reversed(self.buckets) for layer in range(self.num_layers)]
         try:
             self.graphs, _, self.pool = capture_all(keys, lambda key: self._layer(*key))
+        except torch.OutOfMemoryError:
+            raise  # no other attention kernel would fit either (capture_two_tier_graphs)
         except RuntimeError as e:
             if self.prefill_attn is None:
                 raise
-            # cuDNN's attention would not capture: flash's does (the graphs then attend with
-            # another kernel than the eager path: equal to rounding)
-            logger.warning("two-tier prefill graphs: cuDNN attention not capturable (%s); "
-                           "capturing with flash", str(e).splitlines()[0][:160])
+            # taken for cuDNN's attention not capturing: flash's does (the graphs then attend
+            # with another kernel than the eager path: equal to rounding); the error is logged
+            # whole, in case it was something else that the retry hits again (then it raises)
+            logger.warning("two-tier prefill graphs: capture with cuDNN attention failed "
+                           "(%s: %s); capturing with flash", type(e).__name__, e)
             torch.cuda.synchronize()
             self.prefill_attn = None
             self.graphs, _, self.pool = capture_all(keys, lambda key: self._layer(*key))
@@ -241,6 +304,7 @@ class TwoTierPrefillGraphs:
         nb = pages.shape[1]
         if first < nb:  # map the kept pages in every layer of the segment (as eagerly)
             self._map(chunk, pages, first, a, c)
+        torch.lt(self.save_pages[:, :1], 0, out=self.pad)  # padding rows: no save page
         self.x[:t].copy_(h)
         if b > t:
             self.x[t:b].zero_()
@@ -263,9 +327,7 @@ class TwoTierPrefillGraphs:
         nb = -(-t // ps)
         pages = self.pages.host_pages(np.full(nb, chunk.row), np.arange(nb)).T  # [Hkv, nb]
         first = nb - min(chunk.resident_pages, nb)
-        h64, h32, copied = self._staging[self._turn]
-        if copied is not None:
-            copied.synchronize()  # issued two steps ago: complete
+        turn, (h64, h32) = self.staging.take()  # no copy reads it any more: no wait
         self._idle(h64, h32)
         a64 = h64.numpy()
         pos = np.arange(t)
@@ -286,13 +348,16 @@ class TwoTierPrefillGraphs:
             a64[f0:f0 + nf] = np.arange(nf) * ps + ps - 1
         self._i64.copy_(h64, non_blocking=True)
         self.read.copy_(h32, non_blocking=True)
-        copied = None
-        if self._i64.is_cuda:
-            copied = torch.cuda.Event()
-            copied.record()
-        self._staging[self._turn] = (h64, h32, copied)
-        self._turn ^= 1
+        self.staging.issued(turn, self._copy_event())
         return pages, first
+
+    def _copy_event(self):
+        """An event completing with the copies just issued (None off CUDA: they have)."""
+        if not self._i64.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _map(self, chunk, pages: np.ndarray, first: int, a: int, c: int) -> None:
         """The prompt's pages [first, nb) of every KV head mapped to slots in layers [a, c)
