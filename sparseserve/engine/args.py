@@ -180,6 +180,7 @@ class EngineArgs(EngineArgsChecks):
             self._check_offload(sparse, mc, num_pages, max_len, self._inject_tokens(mc, max_len))
         cfg = self._assemble(source, mc_full, device, dtype, tp, num_pages, num_host_pages,
                              kv_bytes, max_len, sparse)
+        self._check_full_mode(cfg)
         plan = plan_memory(cfg, budget)
         check_plan(plan, explicit=self.kv_cache_memory_bytes is not None)
         return cfg.replace(memory_plan=plan), source

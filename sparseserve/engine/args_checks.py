@@ -24,15 +24,35 @@ class EngineArgsChecks:
                    "tensor parallelism runs its layers eagerly" if tp > 1 else
                    f"there are no CUDA graphs on {device}")
             logger.warning("cudagraph_mode %s has no effect: %s", self.cudagraph_mode, why)
+
+    def _check_full_mode(self, cfg) -> None:
+        """cudagraph_mode FULL with sparse attention or the two-tier cache (cfg: the final
+        EngineConfig): its whole-step graphs are for dense attention over device pages only, so
+        say what it captures here beyond FULL_DECODE_ONLY — the two-tier prefill graphs, under
+        the conditions that decide their capture (two_tier_graph_plan), or nothing."""
+        from sparseserve.engine.two_tier_graph_plan import why_no_two_tier_graphs
+        from sparseserve.worker.two_tier_graphs import MAX_TOKENS
+        if (cfg.cudagraph_mode != "FULL" or cfg.device != "cuda" or cfg.enforce_eager
+                or cfg.parallel.tensor_parallel_size > 1
+                or not (cfg.sparse.enabled or cfg.cache.kv_offload)):
+            return  # whole-step graphs, or no graph at all (_check_graph_mode said so)
+        dense_only = ("cudagraph_mode FULL captures whole steps with prefill work for dense "
+                      "attention over device pages only")
+        why = why_no_two_tier_graphs(cfg)
+        if why is None:
+            n = min(cfg.scheduler.max_model_len, MAX_TOKENS)
+            logger.warning("%s; with sparse attention and the two-tier cache it captures the "
+                           "layer segments of whole prompts (slot-free, up to %d tokens: "
+                           "two_tier_graphs.MAX_TOKENS = %d), one graph per layer and token "
+                           "bucket (worker/two_tier_graphs.py); prompts over %d tokens, chunks "
+                           "that continue a prefix and other prefill work run eagerly as with "
+                           "FULL_DECODE_ONLY", dense_only, n, MAX_TOKENS, MAX_TOKENS)
             return
-        if self.cudagraph_mode == "FULL" and (self.sparse_algorithm != "dense"
-                                              or self.kv_offload):
-            logger.warning("cudagraph_mode FULL captures whole steps with prefill work for "
-                           "dense attention over device pages only; with sparse attention or "
-                           "the two-tier cache only the layer segments of whole prompts with "
-                           "GPU-direct saves (the sparseserve preset) replay graphs, one per "
-                           "layer (worker/two_tier_graphs.py), other prefill work runs "
-                           "eagerly as with FULL_DECODE_ONLY")
+        logger.warning("%s, and the two-tier prefill graphs (layer segments of whole prompts "
+                       "up to %d tokens) need the two-tier cache with a sparse algorithm, "
+                       "d2h_method gpu-direct and layer-segmented prefill (the sparseserve "
+                       "preset). Here %s: FULL does nothing beyond FULL_DECODE_ONLY",
+                       dense_only, MAX_TOKENS, why)
 
     def _check_parallel(self, mc: ModelConfig, device: str) -> int:
         """The tensor-parallel size, checked against the model and the visible GPUs."""

@@ -9,11 +9,32 @@ def captures_two_tier_graphs(cfg: EngineConfig) -> bool:
     """cudagraph_mode FULL on one CUDA device without enforce_eager, with the two-tier cache's
     layer-segmented prefill (slot-free prompts), GPU-direct saves and a sparse algorithm (the
     sparseserve preset); the other two-tier configurations keep their eager prefill."""
+    return why_no_two_tier_graphs(cfg) is None
+
+
+def why_no_two_tier_graphs(cfg: EngineConfig) -> str | None:
+    """Why `cfg` captures no two-tier prefill graphs (the first condition of
+    captures_two_tier_graphs it misses, in words), or None when it captures them."""
     c = cfg.cache
-    return (cfg.device == "cuda" and not cfg.enforce_eager and cfg.cudagraph_mode == "FULL"
-            and cfg.parallel.tensor_parallel_size == 1 and c.kv_offload
-            and c.d2h_method == "gpu-direct" and cfg.sparse.enabled
-            and cfg.scheduler.max_inject_tokens is not None)
+    if cfg.device != "cuda":
+        return f"there are no CUDA graphs on {cfg.device}"
+    if cfg.enforce_eager:
+        return "enforce_eager is set"
+    if cfg.cudagraph_mode != "FULL":
+        return f"cudagraph_mode is {cfg.cudagraph_mode}, not FULL"
+    if cfg.parallel.tensor_parallel_size != 1:
+        return "tensor parallelism runs its layers eagerly"
+    if not c.kv_offload:
+        return "the two-tier cache (kv_offload) is off"
+    if not cfg.sparse.enabled:
+        return "no sparse algorithm"
+    if c.d2h_method != "gpu-direct":
+        return (f"d2h_method is {c.d2h_method}, not gpu-direct (the graphs save with "
+                "GPU-direct writes)")
+    if cfg.scheduler.max_inject_tokens is None:
+        return ("layer-segmented prefill is off (max_inject_tokens None): no prompt is "
+                "prefilled slot-free")
+    return None
 
 
 def two_tier_graph_buckets(cfg: EngineConfig) -> list[int]:

@@ -275,6 +275,49 @@ def test_cudagraph_mode_checked(model_dir, caplog):
         in caplog.text
 
 
+@pytest.mark.parametrize("kw,message", [
+    (dict(preset="sparseserve"),
+     "it captures the layer segments of whole prompts (slot-free, up to 128 tokens: "
+     "two_tier_graphs.MAX_TOKENS = 8192)"),
+    (dict(preset="sparseserve", max_model_len=10000, max_num_batched_tokens=10000,
+          kv_offloading_size=0.05, load_format="dummy"),  # beyond the model's 1024 positions
+     "(slot-free, up to 8192 tokens: two_tier_graphs.MAX_TOKENS = 8192)"),
+    (dict(preset="sparse"), "Here the two-tier cache (kv_offload) is off: FULL does nothing "
+     "beyond FULL_DECODE_ONLY"),
+    (dict(preset="sparseserve", d2h_method="flash"), "Here d2h_method is flash, not gpu-direct"),
+    (dict(preset="sparseserve", d2h_method="memcpy"), "Here d2h_method is memcpy, not gpu-direct"),
+    (dict(preset="sparseserve", d2h_method="copy-engine"),
+     "Here d2h_method is copy-engine, not gpu-direct"),
+    (dict(preset="sparseserve", layer_segmented_prefill=False),
+     "Here layer-segmented prefill is off (max_inject_tokens None): no prompt is prefilled "
+     "slot-free: FULL does nothing beyond FULL_DECODE_ONLY"),
+    (dict(preset="dense"), None),
+])
+def test_full_mode_says_what_it_captures(model_dir, gpu, caplog, kw, message):
+    """cudagraph_mode FULL with sparse attention or the two-tier cache: the warning names the
+    two-tier prefill graphs and their 8192-token limit where two_tier_graph_plan captures
+    them, else the condition that rules them out (FULL then adds nothing to
+    FULL_DECODE_ONLY); dense: whole-step graphs, no warning."""
+    from sparseserve.engine.two_tier_graph_plan import captures_two_tier_graphs
+
+    gpu(3 * GiB, 4 * GiB)
+    args = dict(BASE, model=model_dir, device="cuda", cudagraph_mode="FULL",
+                kv_cache_memory_bytes=64 * PAGE_BYTES)
+    if kw.get("preset") != "dense" and kw.get("preset") != "sparse":
+        args["kv_offloading_size"] = 0.01
+    args.update(kw)
+    with caplog.at_level("WARNING", logger="sparseserve"):
+        cfg = EngineArgs(**args).create_engine_config()[0]
+    full = [r.getMessage() for r in caplog.records if "cudagraph_mode FULL" in r.getMessage()]
+    if message is None:
+        assert not full
+        return
+    assert len(full) == 1 and message in full[0], full
+    assert "dense attention over device pages only" in full[0]
+    assert captures_two_tier_graphs(cfg) == ("Here" not in full[0])
+    assert "8192" in full[0]
+
+
 def test_whole_step_graphs_are_counted(gpu, caplog):
     """cudagraph_mode FULL (worker/mixed_graphs.py) adds the piecewise-sized pool plus the
     whole-step graphs' page tables [S, Hkv, W] and sampled logits [S, vocab] to the graph
