@@ -14,7 +14,10 @@ A rank's HBM holds (MemoryPlan, bytes per rank):
   metadata     the page directory, the two-tier cache's per-slot arrays and residency index,
                the scratch page of every layer, the RoPE tables and the sampler's penalty
                state (allocated on first use, counted at its largest): exact (metadata_bytes)
-  graph_pool   the decode CUDA graphs' private memory pool: an allowance (graph_pool_bytes)
+  graph_pool   the CUDA graphs' private memory pools and static buffers: the decode graphs',
+               the piecewise / whole-step graphs' (piecewise_pool_bytes) and the two-tier
+               prefill graphs' (two_tier_graph_plan.two_tier_graph_bytes): an allowance
+               (graph_pool_bytes)
 
 EngineArgs sizes the KV slots from this plan: with the budget derived from
 gpu_memory_utilization, kv_slots are what is left once everything else is counted
