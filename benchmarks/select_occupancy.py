@@ -18,7 +18,10 @@ kernel compiles to, so the device time goes to the variants worth timing.
 span closed by a backward branch; fused launches, whose select phase loops too, are left out)
 and counts its instructions, barriers, shared-memory and global accesses, shuffles and
 mma; per page = per warp and loop iteration / the pages of one iteration (``BLOCK_W``: 16 for
-``sparq_stream``, score_kernel 3 and 4; 64 for ``sparq_tiles``). Issue slots, not time; the
+``sparq_stream``, score_kernel 3 and 4; 64 for ``sparq_tiles``; ``sparq_lanes``, score_kernel
+5, the GPU's default: 16 pages a warp, its warps' iterations are not shared, so the program's
+warp-instructions per page are the warp's). Launches are captured on the CPU, where the
+default score phase is kernel 3: pass ``@score_kernel=5`` for the GPU's. Issue slots, not time; the
 barriers (where a program's warps wait for each other's loads) and the shared-memory round
 trips are what redesigns of the score phase aim to remove (sparse.md).
 
@@ -180,7 +183,9 @@ def compile_launch(cap: dict, num_warps: int | None, maxnreg: int,
     # select phase's, not the score loop
     if sass_stats and const.get("DO_SCORE") and not const.get("DO_SELECT") \
             and const.get("SPARQ", 0) >= 2:
-        row.update(loop_stats(sass, const["BLOCK_W"], nw))
+        # sparq_lanes (5): each warp's loop scores its own BLOCK_W pages (the others' warps
+        # share an iteration's pages)
+        row.update(loop_stats(sass, const["BLOCK_W"], 1 if const["SPARQ"] == 5 else nw))
     return row
 
 
