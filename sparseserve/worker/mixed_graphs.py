@@ -34,6 +34,7 @@ from sparseserve.kernels import paged_decode_attention
 from sparseserve.kernels.paged_prefill import block_tokens, plan_blocks
 from sparseserve.kernels.paged_prefill import paged_prefill_attention
 from sparseserve.worker.graph_capture import capture_all
+from sparseserve.worker.plan_staging import PlanStaging
 
 
 class _GraphAttention:
@@ -107,13 +108,12 @@ class MixedStepGraphs:
         self._i32 = torch.zeros(3 * s + 2 * mb + 1, dtype=torch.int32, device=dev)
         (self.q_begin, self.q_end, self.starts, self.block_seq, self.block_q0,
          self.num_blocks) = torch.split(self._i32, [s, s, s, mb, mb, 1])
-        # host staging, two sets used in turn: a step rewrites the set whose copy was
-        # issued two steps ago (its event has long completed: no host wait in practice)
+        # host staging: a set is rewritten only once the copy that read it has completed
+        # (event queried, never waited on; a new set joins when all are in flight)
         pin = dev.type == "cuda"
-        self._staging = [(torch.zeros(self._i64.shape, dtype=torch.long, pin_memory=pin),
-                          torch.zeros(self._i32.shape, dtype=torch.int32, pin_memory=pin), None)
-                         for _ in range(2)]
-        self._turn = 0
+        self._staging = PlanStaging(lambda: (
+            torch.zeros(self._i64.shape, dtype=torch.long, pin_memory=pin),
+            torch.zeros(self._i32.shape, dtype=torch.int32, pin_memory=pin)), size=2)
         self.logits: torch.Tensor | None = None  # [S, vocab] fp32, shared by every bucket
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -172,12 +172,13 @@ class MixedStepGraphs:
     def capture(self) -> None:
         """Capture every bucket's graph, largest first (later graphs reuse the pool's blocks),
         with every chunk on the scratch row and no live block. A no-op without `capture`."""
-        h64, h32, _ = self._staging[0]
+        i, (h64, h32) = self._staging.take()
         # unused decode lanes write row 0 while capturing: a row every bucket has (a step's
         # staging points them at its own bucket's dropped row b)
         self._idle(h64, h32, 0)
         self._i64.copy_(h64)
         self._i32.copy_(h32)
+        self._staging.issued(i, None)  # blocking copies: complete
         if self.capture_graphs:
             self.graphs, _, self.pool = capture_all(reversed(self.buckets), self._forward)
 
@@ -197,9 +198,7 @@ class MixedStepGraphs:
         nd = sum(1 for c in chunks if c.is_decode)  # decode rows come first
         prompt, p_off = chunks[nd:], offsets[nd:]
         sampled = [off + c.num_tokens - 1 for c, off in zip(chunks, offsets) if c.sample]
-        h64, h32, copied = self._staging[self._turn]
-        if copied is not None:
-            copied.synchronize()  # issued two steps ago: complete
+        turn, (h64, h32) = self._staging.take()  # no copy reads it any more: no wait
         self._idle(h64, h32, b)
         base = 3 * n
         h64[base + s:base + s + len(sampled)] = torch.tensor(sampled, dtype=torch.long)
@@ -234,8 +233,7 @@ class MixedStepGraphs:
         if self._i64.is_cuda:
             copied = torch.cuda.Event()
             copied.record()
-        self._staging[self._turn] = (h64, h32, copied)
-        self._turn ^= 1
+        self._staging.issued(turn, copied)
         g = self.graphs.get(b)
         if g is not None:
             g.replay()

@@ -18,7 +18,7 @@ from static device buffers and the layer is captured once per token bucket:
 Per run (a slot-free prompt's layer segment; a step runs one per such prompt and layer
 interval, one after another over the same static buffers) the host stages the plan (save
 destinations, each token's page entry and offset, the completed pages' host ids: one
-host-to-device copy from a pinned buffer of a ring that never waits, StagingRing), maps the
+host-to-device copy from a pinned buffer of a ring that never waits, worker/plan_staging.PlanStaging), maps the
 prompt's pages in every layer of the segment with the fused retrieve (as the eager path does,
 a handful of launches, then one copy of the slots into a static table), replays one graph per
 layer, rebuilds the residency indexes and issues one save ticket (an event on the saver's side
@@ -55,6 +55,7 @@ from sparseserve.transfer.gpu_direct import SIDE_STREAM_MAX_PROGRAMS, save_rows
 from sparseserve.worker.forward_context import PREFILL_SDPA_BACKENDS
 from sparseserve.worker.graph_capture import capture_all
 from sparseserve.worker.page_index import index_pages
+from sparseserve.worker.plan_staging import PlanStaging
 
 logger = logging.getLogger("sparseserve")
 
@@ -62,56 +63,6 @@ logger = logging.getLogger("sparseserve")
 # >= ~8 ms on an H100 and the eager host time (~2 ms per layer) is a small share of it, while
 # the graphs' static buffers and pool grow with the bucket (engine/memory_plan.py counts them)
 MAX_TOKENS = 8192
-# staging buffers to start with: a step's runs (one per slot-free prompt and layer interval)
-# plus the previous step's under async scheduling; the ring grows past it rather than wait
-STAGING_BUFFERS = 4
-
-_TAKEN = object()  # a staging buffer handed out whose copy is not issued yet
-
-
-class StagingRing:
-    """Host staging buffers of the runs' plans, handed out in turn (the oldest first). A
-    buffer is handed out again only once the host-to-device copy that read it has completed
-    (its event's query(): no wait); when every buffer is still being read, a new one joins the
-    ring instead of waiting, so any number of runs per step never blocks the host (issue 12,
-    item 3). Steady state: as many buffers as copies in flight.
-
-    make() -> one set of buffers; events: objects with query() (torch.cuda.Event), or None for
-    a copy already complete (CPU)."""
-
-    def __init__(self, make, size: int = STAGING_BUFFERS) -> None:
-        if size < 1:
-            raise ValueError("a staging ring needs at least one buffer")
-        self._make = make
-        self.buffers = [make() for _ in range(size)]
-        self._events: list = [None] * size
-        self._next = 0  # the buffer handed out least recently
-
-    def take(self) -> tuple[int, tuple]:
-        """-> (index, buffers) of a buffer no copy reads any more (never waits)."""
-        n = len(self.buffers)
-        for j in range(n):
-            i = (self._next + j) % n
-            e = self._events[i]
-            if e is None or (e is not _TAKEN and e.query()):
-                self._events[i] = _TAKEN
-                self._next = (i + 1) % n
-                return i, self.buffers[i]
-        # all in flight: a new buffer in the oldest one's turn (that one stays next)
-        i = self._next
-        self.buffers.insert(i, self._make())
-        self._events.insert(i, _TAKEN)
-        self._next = (i + 1) % (n + 1)
-        logger.debug("two-tier prefill graphs: %d staging buffers in flight, one more", n)
-        return i, self.buffers[i]
-
-    def issued(self, i: int, event) -> None:
-        """The copy reading buffer i is issued; it is free once `event` completes (None: it
-        has)."""
-        assert self._events[i] is _TAKEN, f"staging buffer {i} was not taken"
-        self._events[i] = event
-
-
 class TwoTierPrefillGraphs:
     """Per-layer graphs of a slot-free two-tier prefill (module docstring).
 
@@ -164,7 +115,7 @@ class TwoTierPrefillGraphs:
         self.pad = torch.ones(n, 1, dtype=torch.bool, device=dev)
         self._zero = torch.zeros((), dtype=dt, device=dev)
         pin = dev.type == "cuda"
-        self.staging = StagingRing(lambda: (
+        self.staging = PlanStaging(lambda: (
             torch.zeros(self._i64.shape, dtype=torch.long, pin_memory=pin),
             torch.zeros(self.read.shape, dtype=torch.int32, pin_memory=pin)))
         self._save_stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None

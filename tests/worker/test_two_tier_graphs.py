@@ -27,7 +27,8 @@ from sparseserve.engine.sched_output import (NewRow, ScheduledChunk, SchedulerOu
                                              layer_intervals)
 from sparseserve.engine.two_tier_graph_plan import captures_two_tier_graphs
 from sparseserve.worker import two_tier_graphs as ttg
-from sparseserve.worker.two_tier_graphs import StagingRing, TwoTierPrefillGraphs
+from sparseserve.worker.plan_staging import PlanStaging
+from sparseserve.worker.two_tier_graphs import TwoTierPrefillGraphs
 
 from tests.conftest import DEVICE
 
@@ -310,7 +311,7 @@ def test_staging_ring_never_waits():
         def synchronize(self):
             raise AssertionError("waited")
 
-    ring = StagingRing(make, size=2)
+    ring = PlanStaging(make, size=2)
     live = {}  # buffer id -> its event, for buffers whose copy is in flight
     events = []
     for run in range(5):
