@@ -51,9 +51,6 @@ LEAN_WARPS = 2
 # 138.4 us, 13 (12 programs a SM, 3.15 waves) 150.0, 16 144.3, 32 158.0 (sparse.md,
 # twenty-seventh session). The most splits whose programs fit in this many per SM (two waves)
 LANE_PROGRAMS_PER_SM = 8
-# ... and a register cap for its score launch (0: none): fewer registers, more warps an SM to
-# hide its latencies (SPARSESERVE_SELECT_MAXNREG, to sweep on a GPU)
-LANE_MAXNREG = int(os.environ.get("SPARSESERVE_SELECT_MAXNREG", 0))
 # ... and only for rows of more pages than this: a short row is scored in a few us by one
 # program, less than the split mode's second launch (light8 profile, fifteenth session: 2
 # launches of ~9 us per layer at 160-page rows). In pages, not chunks: chunks are 16 to 64
@@ -86,12 +83,18 @@ def _default_splits(q, rows: int, chunks: int, block_w: int,
     return max(1, min(chunks, want, MAX_SPLITS))
 
 
+@functools.lru_cache(maxsize=None)
+def _has_mma_m16n8k16(index) -> bool:
+    """An NVIDIA GPU of sm_80 or later (``mma.m16n8k16``, ``cvt.rn.f16x2.f32``)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (8, 0)
+
+
 def _lanes_fit(q, rec_kind, page_size, channels, group, head_dim, kmean, rec) -> bool:
     """``sparq_lanes``' configurations (``lanes_supported``) with its 16-byte vector loads
     of the means and records aligned, on an NVIDIA GPU with ``mma.m16n8k16`` (sm_80 on; or
     Triton's interpreter, which emulates it)."""
-    if q.is_cuda and (torch.version.hip is not None
-                      or torch.cuda.get_device_capability(q.device) < (8, 0)):
+    if q.is_cuda and not _has_mma_m16n8k16(
+            q.device.index if q.device.index is not None else torch.cuda.current_device()):
         return False
     return lanes_supported(rec_kind, page_size, channels, group, head_dim) \
         and kmean.data_ptr() % 16 == 0 and kmean.stride(0) % 16 == 0 \
@@ -232,28 +235,22 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
             warnings.warn(f"select_pages: sparq_kernel=5 (sparq_lanes) covers 4-word records "
                           f"with a 16-bit box, page 32, 16 channels, GQA groups <= 4 and "
                           f"head_dim 64 / 128 on 16-byte aligned means, on sm_80 or later; "
-                          f"this call (page "
-                          f"{ps}, {R} channels, group {Hq // Hkv}, head_dim {D}) runs "
-                          f"sparq_stream (3)", stacklevel=2)
+                          f"this call (page {ps}, {R} channels, group {Hq // Hkv}, head_dim "
+                          f"{D}) runs sparq_stream (3)", stacklevel=2)
         version = 3
     if rec_interleave != 1 and not rec_kind:
         raise ValueError(f"select_pages: rec_interleave={rec_interleave} needs 4-word records "
                          f"read whole (sparq_rec with sparq_kernel 2-5, int8 means, page 16-64)")
     if version == 2:  # chunks of TILE_PAGES pages (a multiple of 16: sub-tiles of 16)
         block_w = block_w if block_w and block_w % 16 == 0 else TILE_PAGES
-    elif version == 5:  # a warp's chunk
-        if block_w not in (None, LANE_PAGES):
+    elif version in (3, 4, 5):  # a fixed step: one sub-tile an iteration (5: a warp's chunk)
+        step, name = (LANE_PAGES, "sparq_lanes") if version == 5 else (STREAM_PAGES,
+                                                                        "sparq_stream")
+        if block_w not in (None, step):
             warnings.warn(f"select_pages: block_w={block_w} (or SPARSESERVE_SELECT_BLOCK_W) does "
-                          f"nothing for sparq_lanes (sparq_kernel=5), whose warps score "
-                          f"{LANE_PAGES}-page chunks; pass sparq_kernel=2 to sweep it",
-                          stacklevel=2)
-        block_w = LANE_PAGES
-    elif version in (3, 4):  # one sub-tile an iteration
-        if block_w not in (None, STREAM_PAGES):
-            warnings.warn(f"select_pages: block_w={block_w} (or SPARSESERVE_SELECT_BLOCK_W) does "
-                          f"nothing for sparq_stream (sparq_kernel={version}), whose step is "
-                          f"{STREAM_PAGES} pages; pass sparq_kernel=2 to sweep it", stacklevel=2)
-        block_w = STREAM_PAGES
+                          f"nothing for {name} (sparq_kernel={version}), whose step is "
+                          f"{step} pages; pass sparq_kernel=2 to sweep it", stacklevel=2)
+        block_w = step
     block_w = block_w or (16 if R else max(1, min(16, 8192 // (ps * BLOCK_D))) if bits
                           else max(16, min(64, 8192 // BLOCK_D)))
     TILE = max(16, min(MAX_TILE, triton.next_power_of_2(W)))
@@ -300,9 +297,8 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                                          NW=sel_warps, num_warps=sel_warps)
     else:
         score_warps = num_warps or (LEAN_WARPS if version == 4 else 4)
-        cap = dict(maxnreg=LANE_MAXNREG) if version == 5 and LANE_MAXNREG and q.is_cuda else {}
         _page_select_kernel[(B, Hkv, splits)](*args, **meta, DO_SCORE=True, DO_SELECT=False,
-                                              NW=score_warps, num_warps=score_warps, **cap)
+                                              NW=score_warps, num_warps=score_warps)
         _page_select_kernel[(B, Hkv, 1)](*args, **meta, DO_SCORE=False, DO_SELECT=True,
                                          NW=sel_warps, num_warps=sel_warps)
     return out_pages, out_num, out_blocks

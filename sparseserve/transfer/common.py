@@ -156,11 +156,17 @@ class EventTicketSaver:
         side.wait_stream(torch.cuda.current_stream(device))
         return side
 
-    def issue(self, event, stats: TransferStats) -> int:
+    def issue(self, device: torch.device, stats: TransferStats) -> int:
         """A ticket for saves written outside `save` (the captured two-tier prefill layers,
-        worker/two_tier_graphs.py) and ordered like this saver's: `event` (None on CPU) is
-        recorded on the same side stream, after them. -> ticket."""
+        worker/two_tier_graphs.py) by the compute stream's work so far on `device`: on CUDA
+        an event on this saver's side stream after that work, ordered like its own saves
+        (CPU: complete at once). -> ticket."""
         self._check_open()
+        event = None
+        side = self._ordered_side_stream(device, True)
+        if side is not None:
+            event = torch.cuda.Event()
+            event.record(side)
         return self._issue(event, None, stats)
 
     # subclasses call this at the end of save()

@@ -19,6 +19,7 @@ import logging
 import torch
 
 from sparseserve.worker.forward_context import ForwardContext
+from sparseserve.worker.graph_capture import capture_all, smallest_bucket
 from sparseserve.worker.offload_context import OffloadForwardContext
 
 logger = logging.getLogger("sparseserve")
@@ -91,10 +92,7 @@ class DecodeGraphs:
         self.pool = None
 
     def bucket(self, n: int) -> int | None:
-        for s in self.sizes:
-            if s >= n:
-                return s
-        return None
+        return smallest_bucket(self.sizes, n)
 
     def _forward(self, b: int, fills: bool = True) -> torch.Tensor:
         r = self.runner
@@ -111,7 +109,6 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        from sparseserve.worker.graph_capture import capture_all
         keys = [(b, fills) for b in reversed(self.sizes) for fills in self.variants]
         self.graphs, self.logits, self.pool = capture_all(keys, lambda key: self._forward(*key))
 

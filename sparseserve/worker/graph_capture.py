@@ -1,10 +1,17 @@
 """Capturing a family of CUDA graphs into one shared memory pool (the decode, piecewise and
-whole-step graphs all do it the same way)."""
+whole-step graphs all do it the same way), and finding a step's bucket among their sizes."""
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Iterable
+import bisect
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
+
+
+def smallest_bucket(sizes: Sequence[int], n: int) -> int | None:
+    """The smallest of the ascending `sizes` that holds n, None if none does."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
 
 
 def capture_all(keys: Iterable[Hashable], forward: Callable[[Any], Any]

@@ -33,7 +33,7 @@ import torch
 from sparseserve.kernels import paged_decode_attention
 from sparseserve.kernels.paged_prefill import block_tokens, plan_blocks
 from sparseserve.kernels.paged_prefill import paged_prefill_attention
-from sparseserve.worker.graph_capture import capture_all
+from sparseserve.worker.graph_capture import capture_all, smallest_bucket
 from sparseserve.worker.plan_staging import PlanStaging
 
 
@@ -128,10 +128,7 @@ class MixedStepGraphs:
         return b // self.block_m + self.max_seqs
 
     def bucket(self, n: int) -> int | None:
-        for s in self.buckets:
-            if s >= n:
-                return s
-        return None
+        return smallest_bucket(self.buckets, n)
 
     def runs(self, chunks, num_tokens: int, row_params: dict) -> bool:
         """Whether a step with prefill work runs whole through these graphs: it fits the

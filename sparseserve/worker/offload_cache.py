@@ -262,11 +262,11 @@ class TwoTierCache(CacheRetrieve, CacheIntrospection):
         """Write new K/V [T, Hkv, D] through to DRAM with the configured saver (async)."""
         self._step_tickets[self._host_step] = self.saver.save(layer, k, v, plan)
 
-    def issue_saves(self, event, stats) -> None:
-        """This step's ticket for saves written outside `save` (the captured prefill layers,
-        worker/two_tier_graphs.py; GPU-direct saver only): `event` covers them and every
-        earlier save (recorded on the saver's side stream after the compute stream)."""
-        self._step_tickets[self._host_step] = self.saver.issue(event, stats)
+    def issue_saves(self, device, stats) -> None:
+        """This step's ticket for saves written outside `save` by the compute stream's work so
+        far on `device` (the captured prefill layers, worker/two_tier_graphs.py; GPU-direct
+        saver only): it covers them and every earlier save (EventTicketSaver.issue)."""
+        self._step_tickets[self._host_step] = self.saver.issue(device, stats)
 
     @property
     def direct_decode_saves(self) -> bool:

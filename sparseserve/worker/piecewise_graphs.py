@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 
+from sparseserve.worker.graph_capture import capture_all, smallest_bucket
+
 # token-count buckets: fine where host time dominates (small steps), coarser above
 BUCKET_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
@@ -92,10 +94,7 @@ class PiecewiseGraphs:
                 and not sparse_decode)
 
     def bucket(self, n: int) -> int | None:
-        for s in self.buckets:
-            if s >= n:
-                return s
-        return None
+        return smallest_bucket(self.buckets, n)
 
     # ---- the pieces (each reads and writes only the static buffers' first b rows) ----------
     def _cos_sin(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +139,6 @@ class PiecewiseGraphs:
         results live in the static buffers). A no-op without `capture`."""
         if not self.capture_graphs:
             return
-        from sparseserve.worker.graph_capture import capture_all
         keys = [(kind, layer, b) for b in reversed(self.buckets) for kind, layer in self._pieces()]
         self.graphs, _, self.pool = capture_all(
             keys, lambda key: self._PIECES[key[0]](self, key[1], key[2]))

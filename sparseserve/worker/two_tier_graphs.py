@@ -53,7 +53,8 @@ from sparseserve.kernels.slot_store import store_token_rows
 from sparseserve.transfer.common import TransferStats
 from sparseserve.transfer.gpu_direct import SIDE_STREAM_MAX_PROGRAMS, save_rows
 from sparseserve.worker.forward_context import PREFILL_SDPA_BACKENDS
-from sparseserve.worker.graph_capture import capture_all
+from sparseserve.worker.graph_capture import capture_all, smallest_bucket
+from sparseserve.worker.host_copy import pack_to_device
 from sparseserve.worker.page_index import index_pages
 from sparseserve.worker.plan_staging import PlanStaging
 
@@ -127,10 +128,7 @@ class TwoTierPrefillGraphs:
         return self.buckets[-1]
 
     def bucket(self, n: int) -> int | None:
-        for s in self.buckets:
-            if s >= n:
-                return s
-        return None
+        return smallest_bucket(self.buckets, n)
 
     def runs(self, chunk) -> bool:
         """Whether a prefill chunk alone in its layers' context runs here: a slot-free prompt
@@ -313,7 +311,6 @@ class TwoTierPrefillGraphs:
     def _map(self, chunk, pages: np.ndarray, first: int, a: int, c: int) -> None:
         """The prompt's pages [first, nb) of every KV head mapped to slots in layers [a, c)
         (all fresh: nothing loads), marked pending their save, into the static slot table."""
-        from sparseserve.worker.host_copy import pack_to_device
         cache, hkv = self.cache, self.hkv
         k = pages.shape[1] - first
         plan = pack_to_device({"row": np.full((1,), chunk.row)},
@@ -333,18 +330,11 @@ class TwoTierPrefillGraphs:
             self.slots[layer, :, :k].copy_(raw[0])
 
     def _issue_ticket(self, t: int, nb: int, layers: int) -> None:
-        """One save ticket for the segment's saves (each graph joined its own): on CUDA an
-        event on the saver's side stream after the compute stream's work so far."""
-        cache = self.cache
-        event = None
-        if self.device.type == "cuda":
-            side = cache.saver._ordered_side_stream(self.device, True)
-            event = torch.cuda.Event()
-            event.record(side)
+        """One save ticket for the segment's saves (each graph joined its own)."""
         rows = t * self.hkv * layers
         stats = TransferStats(layers, nb * self.hkv * layers, rows,
                               2 * rows * self.d * self.x.element_size())
-        cache.issue_saves(event, stats)
+        self.cache.issue_saves(self.device, stats)
 
 
 def capture_two_tier_graphs(runner):
