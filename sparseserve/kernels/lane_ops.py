@@ -14,8 +14,8 @@ from . import patch_triton_interpreter
 
 patch_triton_interpreter()
 
-__all__ = ["lane_base", "shfl_idx", "shfl_f32", "shfl_xor", "ldg4", "ldg4_at", "byte_pair",
-           "f16x2", "half", "mma_m16n8k16"]
+__all__ = ["lane_base", "shfl_idx", "shfl_f32", "shfl_xor", "ldg4", "ldg4_at", "ldg1_at",
+           "byte_pair", "prmt", "f16x2", "half", "mma_m16n8k16"]
 
 
 @triton.jit
@@ -80,6 +80,34 @@ def ldg4_at(base, word, FAST: tl.constexpr):
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
     else:
         return ldg4(base + word, FAST)
+
+
+@triton.jit
+def ldg1_at(base, word, FAST: tl.constexpr):
+    """The int32 word at ``base + word`` (``base`` an int32 pointer [N], ``word`` int32 [N]):
+    one ``mad.wide`` and one 4-byte load, not predicated (as ``ldg4``)."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            "{ .reg .u64 a; mad.wide.s32 a, $2, 4, $1; ld.global.nc.b32 $0, [a]; }", "=r,l,r",
+            [base.to(tl.int64, bitcast=True), word], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return tl.load(base + word)
+
+
+@triton.jit
+def prmt(a, b, sel, FAST: tl.constexpr):
+    """``prmt.b32``: byte ``k`` of the result is byte ``(sel >> 4 k) & 7`` of the 8 bytes
+    ``b:a`` (0-3 ``a``'s, 4-7 ``b``'s); ``sel`` [N] int32 (sign-replication modes unused)."""
+    if FAST:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = tl.zeros_like(a)
+        for k in tl.static_range(4):
+            i = (sel >> (4 * k)) & 7
+            src = tl.where(i < 4, a, b)
+            out = out | (((src >> (8 * (i % 4))) & 0xFF) << (8 * k))
+        return out
 
 
 @triton.jit

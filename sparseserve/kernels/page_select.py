@@ -51,6 +51,10 @@ LEAN_WARPS = 2
 # 138.4 us, 13 (12 programs a SM, 3.15 waves) 150.0, 16 144.3, 32 158.0 (sparse.md,
 # twenty-seventh session). The most splits whose programs fit in this many per SM (two waves)
 LANE_PROGRAMS_PER_SM = 8
+# ... whose 4 programs of 4 warps an SM need <= 128 registers a thread: ptxas picks 142 for the
+# score launch since each lane holds its chunk's 16 code words (sm_90, select_occupancy.py,
+# twenty-eighth session), 3 programs an SM; capped at 128 it compiles without spills
+LANE_MAXNREG = 128
 # ... and only for rows of more pages than this: a short row is scored in a few us by one
 # program, less than the split mode's second launch (light8 profile, fifteenth session: 2
 # launches of ~9 us per layer at 160-page rows). In pages, not chunks: chunks are 16 to 64
@@ -297,8 +301,9 @@ def select_pages(q, kmin, kmax, page_table, num_pages, last_page_len, budget_pag
                                          NW=sel_warps, num_warps=sel_warps)
     else:
         score_warps = num_warps or (LEAN_WARPS if version == 4 else 4)
+        cap = dict(maxnreg=LANE_MAXNREG) if version == 5 and q.is_cuda else {}
         _page_select_kernel[(B, Hkv, splits)](*args, **meta, DO_SCORE=True, DO_SELECT=False,
-                                              NW=score_warps, num_warps=score_warps)
+                                              NW=score_warps, num_warps=score_warps, **cap)
         _page_select_kernel[(B, Hkv, 1)](*args, **meta, DO_SCORE=False, DO_SELECT=True,
                                          NW=sel_warps, num_warps=sel_warps)
     return out_pages, out_num, out_blocks

@@ -57,7 +57,8 @@ import triton
 import triton.language as tl
 
 from . import patch_triton_interpreter
-from .lane_ops import byte_pair, f16x2, ldg4, ldg4_at, mma_m16n8k16, shfl_f32, shfl_idx, shfl_xor
+from .lane_ops import (byte_pair, f16x2, ldg1_at, ldg4, mma_m16n8k16, prmt, shfl_f32, shfl_idx,
+                       shfl_xor)
 from .sparq_tiles import _rec_box, log2_fast, rec_word
 
 patch_triton_interpreter()
@@ -158,20 +159,49 @@ def _centring(codes_ptr, mean_ptr, pid, roff, ks, chs, chw, stride_mean, REC: tl
 
 
 @triton.jit
-def _page_partial(page_rec, o, width, chw, qe, qo, sel_a, sel_b, cmask, isig,
-                  N: tl.constexpr, FAST: tl.constexpr):
+def _chunk_codes(codes_ptr, pt_row, cc, c1, n, gr, chw, stride_codes, RI: tl.constexpr,
+                 N: tl.constexpr, FAST: tl.constexpr):
+    """The chunk's code words, each loaded by one lane, no copies: lane ``(gr, t)`` loads word
+    ``1 + gr % 2`` of the records of pages ``4 i + gr // 2`` (i 0..3) at its channel slots
+    ``t + 4 m``, trades it with its partner (``lane ^ 4``, which holds the record's other
+    word) and keeps the bytes of row half ``s = gr % 2``: ``[w0.b_s, w0.b_(s+2), w1.b_s,
+    w1.b_(s+2)]``, rows ``4 s .. 4 s + 3`` and ``8 + 4 s ..`` of both words (``_page_partial``
+    reads its A operands out of that). 16 registers, index ``4 m + i``, all issued at the
+    chunk's start: a page's token step then waits on shuffles, never on a load (before, the 8
+    lanes of a channel slot each loaded the page's two words: 8 times the L1 requests)."""
+    e = tl.arange(0, N)
+    partner = (e % 32) ^ 4
+    w = gr % 2
+    # prmt(v, partner's v): on w = 0 lanes a = word 0, on w = 1 lanes a = word 1, b = word 0
+    sel = tl.where(w == 0, 0x6420, 0x3175)
+    rec = ()
+    for i in tl.static_range(4):
+        page = cc * 16 + 4 * i + gr // 2
+        # pages not scored read page 0 (a valid row) unpredicated; masked downstream
+        pid = tl.load(pt_row + page, mask=(page < n - 1) & (cc < c1), other=0)
+        rec = rec + (codes_ptr + rec_word(pid.to(tl.int64), 0, stride_codes, RI),)
+    x = ()
+    for m in tl.static_range(4):
+        word = chw[m] + 1 + w
+        for i in tl.static_range(4):
+            v = ldg1_at(rec[i], word, FAST)
+            x = x + (prmt(v, shfl_idx(v, partner, N, FAST), sel, FAST),)
+    return x
+
+
+@triton.jit
+def _page_partial(y, o, width, qe, qo, cmask, isig, N: tl.constexpr, FAST: tl.constexpr):
     """The lane's part of sum_t exp2(d_t) over one page's tokens for head t (its 4 tokens:
     ``_sum8`` adds the 8 lanes of a t): ``d_t`` = the token's approximate logit minus the mean
-    key's; ``page_rec`` the page's records (``_rec_ptrs``), ``o`` [N] its centring term."""
+    key's; ``y`` the page's code bytes at the lane's 4 channel slots (``_chunk_codes``,
+    shuffled from their loaders), ``o`` [N] its centring term."""
     a = ()
     b = ()
     for m in tl.static_range(4):
-        # B from the widths shuffled in, known before the load: only A waits on it (the
-        # box word unused, ptxas splits the 16-byte load into two 4-byte ones)
-        _, wc0, wc1, _ = ldg4_at(page_rec, chw[m], FAST)
+        # B from the widths shuffled in; A: bytes 0 / 2 of y are row gr's (words 0 / 1),
+        # bytes 1 / 3 row gr + 8's, fp16 subnormals once masked to the token's 2 bits
         b = b + (f16x2(width[m] * qe[m], width[m] * qo[m], FAST),)
-        a = a + (byte_pair(wc0, wc1, sel_a, sel_a, FAST) & cmask,
-                 byte_pair(wc0, wc1, sel_b, sel_b, FAST) & cmask)
+        a = a + (y[m] & cmask, (y[m] >> 8) & cmask)
     z = tl.zeros_like(o)
     d0, d1, d2, d3 = mma_m16n8k16(a[0], a[1], a[2], a[3], b[0], b[1], z, z, z, z, N, FAST)
     d0, d1, d2, d3 = mma_m16n8k16(a[4], a[5], a[6], a[7], b[2], b[3], d0, d1, d2, d3, N, FAST)
@@ -202,8 +232,7 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
     j = (gr % 4).to(tl.float32)  # a row's token code sits at bits 2 j of its byte
     isig = tl.exp2(28.0 - 2.0 * j)  # logit units per unit of the token mma's D: 4^j 2^-24 2^-4
     cmask = (3 << (2 * (gr % 4))) * 0x10001
-    sel_a = gr // 4      # byte of token gr in its code word
-    sel_b = gr // 4 + 2  # ... of token gr + 8
+    row_half = gr // 4   # token gr's byte in its code word (gr + 8's: row_half + 2)
     even = (gr % 2) == 0
     # the lane's 4 channels (K slots t + 4 m) and its head's query there
     chs = ()
@@ -257,36 +286,32 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
         base_b = (dm[2] - bias) * 16777216.0 * ks_b
         roff_a = rec_word(pid_a, 0, stride_codes, RI)  # the pages' records (channel 0)
         roff_b = rec_word(pid_b, 0, stride_codes, RI)
+        xc = _chunk_codes(codes_ptr, pt_row, cc, c1, n, gr, chw, stride_codes, RI, N, FAST)
         oa, wa = _centring(codes_ptr, mean_ptr, pid_a, roff_a, ks_a, chs, chw, stride_mean, REC)
         ob, wb = _centring(codes_ptr, mean_ptr, pid_b, roff_b, ks_b, chs, chw, stride_mean, REC)
-        ra_lo = roff_a.to(tl.int32)  # shuffled as two words
-        ra_hi = (roff_a >> 32).to(tl.int32)
-        rb_lo = roff_b.to(tl.int32)
-        rb_hi = (roff_b >> 32).to(tl.int32)
         o_a, _, o_b, _ = mma_m16n8k16(f16x2(oa[0], oa[1], FAST), f16x2(ob[0], ob[1], FAST),
                               f16x2(oa[2], oa[3], FAST), f16x2(ob[2], ob[3], FAST),
                               b_off0, b_off1, zf, zf, zf, zf, N, FAST)
-        # 2. tokens, page by page, from lane (p % 8, t)'s record offset and centring term;
-        # x of page p ends on lanes (p % 8, t)
+        # 2. tokens, page by page: the centring term and widths from lane (p % 8, t), the
+        # code bytes from their loader (_chunk_codes: page p on lanes (2 (p % 4) + s, t),
+        # s = the row half); x of page p ends on lanes (p % 8, t)
         sa = ()
         sb = ()
         for p in tl.static_range(16):
             src = 4 * (p % 8) + t
             if p < 8:
-                r_lo = shfl_idx(ra_lo, src, N, FAST)
-                r_hi = shfl_idx(ra_hi, src, N, FAST)
                 o = shfl_f32(o_a, src, N, FAST)
                 wd = (shfl_f32(wa[0], src, N, FAST), shfl_f32(wa[1], src, N, FAST),
                       shfl_f32(wa[2], src, N, FAST), shfl_f32(wa[3], src, N, FAST))
             else:
-                r_lo = shfl_idx(rb_lo, src, N, FAST)
-                r_hi = shfl_idx(rb_hi, src, N, FAST)
                 o = shfl_f32(o_b, src, N, FAST)
                 wd = (shfl_f32(wb[0], src, N, FAST), shfl_f32(wb[1], src, N, FAST),
                       shfl_f32(wb[2], src, N, FAST), shfl_f32(wb[3], src, N, FAST))
-            roff = (r_hi.to(tl.int64) << 32) | (r_lo.to(tl.int64) & 0xFFFFFFFF)
-            part = _page_partial(codes_ptr + roff, o, wd, chw, qe, qo, sel_a, sel_b, cmask,
-                                 isig, N, FAST)
+            csrc = 4 * (2 * (p % 4) + row_half) + t
+            y = ()
+            for m in tl.static_range(4):
+                y = y + (shfl_idx(xc[4 * m + p // 4], csrc, N, FAST),)
+            part = _page_partial(y, o, wd, qe, qo, cmask, isig, N, FAST)
             if p < 8:
                 sa = sa + (part,)
             else:
