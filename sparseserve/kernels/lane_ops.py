@@ -15,7 +15,7 @@ from . import patch_triton_interpreter
 patch_triton_interpreter()
 
 __all__ = ["lane_base", "shfl_idx", "shfl_f32", "shfl_xor", "ldg4", "ldg4_at", "ldg1_at",
-           "byte_pair", "prmt", "f16x2", "half", "mma_m16n8k16"]
+           "byte_pair", "prmt", "f16x2", "half", "hmul2_half", "mma_m16n8k16"]
 
 
 @triton.jit
@@ -138,6 +138,26 @@ def f16x2(lo, hi, FAST: tl.constexpr):
 def half(w, k):
     """fp32 value of half ``k`` (0 low, 1 high) of packed fp16 words ``w`` (emulation)."""
     return ((w >> (16 * k)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def hmul2_half(w, K: tl.constexpr, q, FAST: tl.constexpr):
+    """Packed fp16 ``(w_K * q_lo, w_K * q_hi)``: half ``K`` (0 low, 1 high) of ``w`` times
+    both halves of ``q``, each product rounded once to fp16 (``mul.rn.f16x2``)."""
+    if FAST:
+        if K == 0:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b16 l, h; .reg .b32 b; mov.b32 {l, h}, $1; mov.b32 b, {l, l}; "
+                "mul.rn.f16x2 $0, b, $2; }", "=r,r,r", [w, q], dtype=tl.int32, is_pure=True,
+                pack=1)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b16 l, h; .reg .b32 b; mov.b32 {l, h}, $1; mov.b32 b, {h, h}; "
+                "mul.rn.f16x2 $0, b, $2; }", "=r,r,r", [w, q], dtype=tl.int32, is_pure=True,
+                pack=1)
+    else:
+        wk = half(w, K)  # fp16 x fp16 is exact in fp32: one rounding, as the hardware's
+        return f16x2(wk * half(q, 0), wk * half(q, 1), FAST)
 
 
 @triton.jit

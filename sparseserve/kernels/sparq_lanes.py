@@ -57,8 +57,8 @@ import triton
 import triton.language as tl
 
 from . import patch_triton_interpreter
-from .lane_ops import (byte_pair, f16x2, ldg1_at, ldg4, mma_m16n8k16, prmt, shfl_f32, shfl_idx,
-                       shfl_xor)
+from .lane_ops import (byte_pair, f16x2, hmul2_half, ldg1_at, ldg4, mma_m16n8k16, prmt, shfl_f32,
+                       shfl_idx, shfl_xor)
 from .sparq_tiles import _rec_box, log2_fast, rec_word
 
 patch_triton_interpreter()
@@ -190,17 +190,19 @@ def _chunk_codes(codes_ptr, pt_row, cc, c1, n, gr, chw, stride_codes, RI: tl.con
 
 
 @triton.jit
-def _page_partial(y, o, width, qe, qo, cmask, isig, N: tl.constexpr, FAST: tl.constexpr):
+def _page_partial(y, o, width, qeo, cmask, isig, N: tl.constexpr, FAST: tl.constexpr):
     """The lane's part of sum_t exp2(d_t) over one page's tokens for head t (its 4 tokens:
     ``_sum8`` adds the 8 lanes of a t): ``d_t`` = the token's approximate logit minus the mean
     key's; ``y`` the page's code bytes at the lane's 4 channel slots (``_chunk_codes``,
-    shuffled from their loaders), ``o`` [N] its centring term."""
+    shuffled from their loaders), ``o`` [N] its centring term, ``width`` its 4 slots' box
+    widths as 2 packed fp16 words, ``qeo`` the B columns' query per slot (packed fp16)."""
     a = ()
     b = ()
     for m in tl.static_range(4):
-        # B from the widths shuffled in; A: bytes 0 / 2 of y are row gr's (words 0 / 1),
-        # bytes 1 / 3 row gr + 8's, fp16 subnormals once masked to the token's 2 bits
-        b = b + (f16x2(width[m] * qe[m], width[m] * qo[m], FAST),)
+        # B: the width of slot t + 4 m (fp16, packed two slots a word) times the lane's
+        # (q even, q odd) column; A: bytes 0 / 2 of y are row gr's (words 0 / 1), bytes 1 / 3
+        # row gr + 8's, fp16 subnormals once masked to the token's 2 bits
+        b = b + (hmul2_half(width[m // 2], m % 2, qeo[m], FAST),)
         a = a + (y[m] & cmask, (y[m] >> 8) & cmask)
     z = tl.zeros_like(o)
     d0, d1, d2, d3 = mma_m16n8k16(a[0], a[1], a[2], a[3], b[0], b[1], z, z, z, z, N, FAST)
@@ -237,8 +239,7 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
     # the lane's 4 channels (K slots t + 4 m) and its head's query there
     chs = ()
     chw = ()
-    qe = ()
-    qo = ()
+    qeo = ()  # the token mma's B column of the lane's head and word, per slot (packed fp16)
     qc = ()
     for m in tl.static_range(4):
         c = tl.load(ch_row + t + 4 * m).to(tl.int64)
@@ -247,8 +248,7 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
         chw = chw + (rec_word(0, c, stride_codes, RI).to(tl.int32),)
         qc = qc + (qv,)
         qs = qv * 0.015625  # B = q * step * 2^-4, step = (hi - lo) / 4
-        qe = qe + (tl.where(even, qs, 0.0),)
-        qo = qo + (tl.where(even, 0.0, qs),)
+        qeo = qeo + (f16x2(tl.where(even, qs, 0.0), tl.where(even, 0.0, qs), FAST),)
     b_off0 = f16x2(qc[0], qc[1], FAST)  # the centring mma's B: K (2t, 2t + 1) = slots t, t + 4
     b_off1 = f16x2(qc[2], qc[3], FAST)
     bm = ()  # the mean mma's B: K (2t, 2t + 1), (2t + 8, 2t + 9) = channels D / 4 t + 4 ks + 0..3
@@ -292,6 +292,10 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
         o_a, _, o_b, _ = mma_m16n8k16(f16x2(oa[0], oa[1], FAST), f16x2(ob[0], ob[1], FAST),
                               f16x2(oa[2], oa[3], FAST), f16x2(ob[2], ob[3], FAST),
                               b_off0, b_off1, zf, zf, zf, zf, N, FAST)
+        wa01 = f16x2(wa[0], wa[1], FAST)  # the widths shuffled as packed fp16 pairs
+        wa23 = f16x2(wa[2], wa[3], FAST)
+        wb01 = f16x2(wb[0], wb[1], FAST)
+        wb23 = f16x2(wb[2], wb[3], FAST)
         # 2. tokens, page by page: the centring term and widths from lane (p % 8, t), the
         # code bytes from their loader (_chunk_codes: page p on lanes (2 (p % 4) + s, t),
         # s = the row half); x of page p ends on lanes (p % 8, t)
@@ -301,17 +305,15 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
             src = 4 * (p % 8) + t
             if p < 8:
                 o = shfl_f32(o_a, src, N, FAST)
-                wd = (shfl_f32(wa[0], src, N, FAST), shfl_f32(wa[1], src, N, FAST),
-                      shfl_f32(wa[2], src, N, FAST), shfl_f32(wa[3], src, N, FAST))
+                wd = (shfl_idx(wa01, src, N, FAST), shfl_idx(wa23, src, N, FAST))
             else:
                 o = shfl_f32(o_b, src, N, FAST)
-                wd = (shfl_f32(wb[0], src, N, FAST), shfl_f32(wb[1], src, N, FAST),
-                      shfl_f32(wb[2], src, N, FAST), shfl_f32(wb[3], src, N, FAST))
+                wd = (shfl_idx(wb01, src, N, FAST), shfl_idx(wb23, src, N, FAST))
             csrc = 4 * (2 * (p % 4) + row_half) + t
             y = ()
             for m in tl.static_range(4):
                 y = y + (shfl_idx(xc[4 * m + p // 4], csrc, N, FAST),)
-            part = _page_partial(y, o, wd, qe, qo, cmask, isig, N, FAST)
+            part = _page_partial(y, o, wd, qeo, cmask, isig, N, FAST)
             if p < 8:
                 sa = sa + (part,)
             else:
