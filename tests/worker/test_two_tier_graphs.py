@@ -380,23 +380,24 @@ def test_captured_only_for_the_sparseserve_preset_in_full_mode(tiny_model_dirs):
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="captures CUDA graphs")
 def test_engine_captures_two_tier_graphs_on_gpu(tiny_model_dirs):
     """cudagraph_mode FULL with the sparseserve preset: every (layer, bucket) captured at
-    start-up (max_model_len 1100: buckets 512, 1024, 1536), every slot-free prompt's segments
+    start-up (max_model_len 1024, the tiny model's positions: buckets 512, 1024), every
+    slot-free prompt's segments
     replay them (prompts in two buckets), tokens, logprobs, DRAM pages and summaries ==
     FULL_DECODE_ONLY's eager segments."""
     path, _ = tiny_model_dirs["llama-gqa"]
     lens = LENS + (700,)
-    kw = dict(max_model_len=1100, max_inject_tokens=2200, host_pages=1600)
+    kw = dict(max_model_len=1024, max_inject_tokens=2200, host_pages=1600)
     out, state, runs = {}, {}, {}
     for mode in ("FULL_DECODE_ONLY", "FULL"):
         llm = _llm(path, 400, cudagraph_mode=mode, **kw)
         runner = llm.engine.runner
         tt = runner.two_tier
         if mode == "FULL":
-            assert tt is not None and tt.buckets == [512, 1024, 1536]
+            assert tt is not None and tt.buckets == [512, 1024]
             assert len(tt.graphs) == len(tt.buckets) * tt.num_layers
         else:
             assert tt is None
-        steps = _instrument(runner, mode == "FULL", buckets=(512, 1024, 1536))
+        steps = _instrument(runner, mode == "FULL", buckets=(512, 1024))
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
         outs = llm.generate(_prompts(lens), params, use_tqdm=False)
         out[mode] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
