@@ -46,8 +46,9 @@ def two_tier_graph_buckets(cfg: EngineConfig) -> list[int]:
 
 
 def two_tier_graph_bytes(cfg: EngineConfig) -> int:
-    """Their static buffers (stream and residual [n, hidden], fp32 RoPE [n, 2, D], the plan:
-    (Hkv + 3) int64 per token, 12 bytes per (page, KV head), the padding mask [n] bool, the
+    """Their static buffers (stream and residual [n + 1, hidden], fp32 RoPE [n, 2, D], the
+    plan: (Hkv + 3) int64 per token, 12 bytes per (page, KV head), the padding index (two
+    int64 per row of a bucket step, at most n), the
     slot table [L, Hkv, pages + 1] int32) and their pool, which holds one layer's
     intermediates at the largest bucket n: qkv, attention's padded q / k / v and output
     (twice: the reshape), the gathered pages' K, the norms, O projection and residual
@@ -61,7 +62,8 @@ def two_tier_graph_bytes(cfg: EngineConfig) -> int:
     e = DTYPE_BYTES[cfg.dtype]
     hkv, hq, d = mc.num_key_value_heads, mc.num_attention_heads, mc.head_dim
     pages = -(-n // cfg.cache.page_size) + 1
-    static = (n * (2 * mc.hidden_size * e + 2 * d * 4 + (hkv + 3) * 8 + 1) + pages * hkv * 12
+    static = ((n + 1) * 2 * mc.hidden_size * e + n * (2 * d * 4 + (hkv + 3) * 8 + 16)
+              + pages * hkv * 12
               + mc.num_hidden_layers * hkv * pages * 4)
     pool = n * e * (2 * (hq + 2 * hkv) * d + 2 * hq * d + hkv * d + 4 * mc.hidden_size
                     + 3 * mc.intermediate_size)

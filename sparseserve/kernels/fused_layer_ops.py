@@ -94,11 +94,14 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, T, N, sx, sr, so
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, res_out: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, N], residual [T, N] or None, weight [N] (x's dtype) -> (normed [T, N],
     new_residual [T, N]): new_residual = residual + x (x itself when residual is None, no copy),
     normed = ``RMSNorm.forward(new_residual)``. Rows may be strided (last dim contiguous);
-    outputs are new contiguous tensors."""
+    outputs are new contiguous tensors, but for ``res_out`` [T, N] (with a residual): the new
+    residual is written there, and it may be ``residual`` itself (each program reads its whole
+    rows before it writes them: in place is safe)."""
     T, N = x.shape
     assert weight.shape == (N,) and weight.dtype == x.dtype and weight.is_contiguous()
     assert x.stride(-1) == 1
@@ -109,6 +112,10 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     else:
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
         res, r, sr = torch.empty_like(out), residual, residual.stride(0)
+        if res_out is not None:
+            assert res_out.shape == x.shape and res_out.dtype == x.dtype \
+                and res_out.stride(-1) == 1
+            res = res_out
     if T == 0:
         return out, res
     BLOCK = triton.next_power_of_2(N)

@@ -233,16 +233,15 @@ def _page_select_kernel(
         prefix = tl.full([], 0, tl.int64)  # T's digits chosen so far
         n_gt = tl.full([], 0, tl.int32)    # keys above the prefix's range
         dig = tl.arange(0, 16)
-        for i in tl.static_range(8):
-            sh: tl.constexpr = 28 - 4 * i
+        for i in tl.static_range(8):  # digit i from the top: bits 28 - 4 i ..
             if ONE_TILE:
-                cnt = _digit_counts(keys, prefix, sh)
+                cnt = _digit_counts(keys, prefix, 28 - 4 * i)
             else:
                 cnt = tl.zeros([16], tl.int32)
                 for t0 in range(0, W, TILE):
                     kt = tl.load(key_row + t0 + offs_t, mask=t0 + offs_t < W,
                                  other=-2147483647 - 1, cache_modifier=".cg")
-                    cnt += _digit_counts(kt, prefix, sh)
+                    cnt += _digit_counts(kt, prefix, 28 - 4 * i)
             # the largest digit whose keys and those above still number k_eff (digit 0 always
             # does: every key in the prefix's range, n_gt those above it)
             ge = tl.sum(cnt, axis=0) - tl.cumsum(cnt, axis=0) + cnt

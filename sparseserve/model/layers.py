@@ -21,12 +21,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor,
-                    residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                    res_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused path (one Triton launch): x, residual [T, hidden] -> (forward(residual
-        + x), residual + x); residual None: (forward(x), x)."""
+        + x), residual + x); residual None: (forward(x), x). ``res_out``: where residual + x
+        goes (it may be ``residual``: in place)."""
         from sparseserve.kernels.fused_layer_ops import fused_add_rms_norm
-        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, res_out=res_out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -167,9 +168,10 @@ class GatedMLP(nn.Module):
             fuse_linears(self, "gate_up", [self.gate_proj, self.up_proj])  # one GEMM for both
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                fused: bool = False) -> torch.Tensor:
+                fused: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden] (+ residual, added after the all-reduce with tp).
-        `fused`: the activation is one Triton launch (kernels/fused_layer_ops.py)."""
+        `fused`: the activation is one Triton launch (kernels/fused_layer_ops.py). `out`
+        [T, hidden] (no residual, no tp): the down projection's GEMM writes there."""
         # CPU, packed weights: the activation rides on the GEMMs (None elsewhere)
         act = None if fused else silu_mul(x, self.gate_proj.weight, self.up_proj.weight)
         if act is None:
@@ -182,6 +184,11 @@ class GatedMLP(nn.Module):
                 act = silu_mul_split(gate, up)
             else:
                 act = F.silu(gate) * up
+        if out is not None:
+            if residual is not None or self.tp is not None:
+                raise ValueError("GatedMLP: out= takes the down projection alone (no residual, "
+                                 "no tensor parallelism)")
+            return torch.mm(act, self.down_proj.weight.t(), out=out)
         if self.tp is None:
             return linear(act, self.down_proj.weight, residual=residual)
         out = self.tp.all_reduce(linear(act, self.down_proj.weight))

@@ -141,20 +141,24 @@ class LlamaDecoderLayer(nn.Module):
         return self.attention_outputs(a, residual)
 
     def attention_inputs(self, x: torch.Tensor, residual: torch.Tensor | None,
-                         cos_sin: tuple[torch.Tensor, torch.Tensor]
+                         cos_sin: tuple[torch.Tensor, torch.Tensor],
+                         res_out: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused path up to attention: (x, residual) as in forward_fused -> (qkv [T, Hq +
-        2 Hkv, D] with RoPE applied, the stream residual + x [T, hidden])."""
-        h, residual = self.input_layernorm.add_forward(x, residual)
+        2 Hkv, D] with RoPE applied, the stream residual + x [T, hidden], written into
+        ``res_out`` when given: static buffers, residual itself included)."""
+        h, residual = self.input_layernorm.add_forward(x, residual, res_out=res_out)
         return self.self_attn.fused_qkv(h, cos_sin), residual
 
-    def attention_outputs(self, a: torch.Tensor,
-                          residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def attention_outputs(self, a: torch.Tensor, residual: torch.Tensor,
+                          out: torch.Tensor | None = None, res_out: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused path after attention: a [T, Hq * D], the stream [T, hidden] -> (this
-        layer's MLP output, the stream before it)."""
+        layer's MLP output, the stream before it), written into ``out`` / ``res_out`` when
+        given (``res_out`` may be ``residual``)."""
         a = self.self_attn.project_out(a)
-        h, residual = self.post_attention_layernorm.add_forward(a, residual)
-        return self.mlp(h, fused=True), residual
+        h, residual = self.post_attention_layernorm.add_forward(a, residual, res_out=res_out)
+        return self.mlp(h, fused=True, out=out), residual
 
 
 class LlamaModel(nn.Module):

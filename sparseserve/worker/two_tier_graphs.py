@@ -29,7 +29,8 @@ Padding: a step of T tokens runs the bucket b >= T. Rows [T, b) have a zero stre
 positions T.. (causal attention: no real row sees them), save to no page (page -1), store
 into the scratch slot (the static slot table's last column), and complete no page (their
 summaries are skipped: read id -1). Their stream and residual stay zero from layer to layer
-(each layer writes zeros there instead of its output: no extra launch), so their q / k / v
+(each layer writes its outputs in place, then zeroes those rows: two index_fill_ over at most
+a bucket step of rows, the index set once per run), so their q / k / v
 are those of a zero row (zero without a qkv bias, finite with one): no NaN can reach
 attention's P @ V through a padded key (0 * NaN), as the eager path's zero padding ensures.
 Buckets are the cuDNN plans' lengths (prefill_attention.bucket_lengths), so the eager path and
@@ -88,7 +89,9 @@ class TwoTierPrefillGraphs:
         w = self.model.model.norm.weight
         dev, dt = w.device, w.dtype
         self.device = dev
-        self.x = torch.zeros(n, self.model.config.hidden_size, dtype=dt, device=dev)
+        # the static stream and residual: rows 0..n-1, and row n, a scratch row the padding
+        # index points past the largest bucket to (each layer writes its outputs in place)
+        self.x = torch.zeros(n + 1, self.model.config.hidden_size, dtype=dt, device=dev)
         self.residual = torch.zeros_like(self.x)
         # RoPE factors of positions 0.. (a slot-free prompt starts at 0); rows past the
         # model's table are padding only: position 0's
@@ -111,10 +114,12 @@ class TwoTierPrefillGraphs:
         self.save_pages = save_pages.view(n, hkv)
         self.read = torch.zeros(hkv * nb, dtype=torch.int32, device=dev)
         self.ntok = torch.full((hkv * nb,), ps, dtype=torch.int32, device=dev)
-        # [n, 1] the run's padding rows (save page -1), set once per run from the plan: each
-        # layer keeps their stream and residual at zero (module docstring)
-        self.pad = torch.ones(n, 1, dtype=torch.bool, device=dev)
-        self._zero = torch.zeros((), dtype=dt, device=dev)
+        # the run's padding rows t, t + 1, .. (fewer than a bucket step; past the largest
+        # bucket: the scratch row n), set once per run: each layer zeroes their stream and
+        # residual (module docstring)
+        steps = [hi - lo for lo, hi in zip([0] + self.buckets[:-1], self.buckets)]
+        self._pad_rows = torch.arange(max(steps), dtype=torch.long, device=dev)
+        self.pad_idx = torch.full_like(self._pad_rows, n)
         pin = dev.type == "cuda"
         self.staging = PlanStaging(lambda: (
             torch.zeros(self._i64.shape, dtype=torch.long, pin_memory=pin),
@@ -142,7 +147,8 @@ class TwoTierPrefillGraphs:
         lyr, cache = self.layers[layer], self.cache
         hkv, ps, d = self.hkv, self.ps, self.d
         qkv, res = lyr.attention_inputs(self.x[:b], self.residual[:b],
-                                        (self.rope[:b, 0:1], self.rope[:b, 1:2]))
+                                        (self.rope[:b, 0:1], self.rope[:b, 1:2]),
+                                        res_out=self.residual[:b])  # in place
         q, k, v = lyr.self_attn.split_qkv(qkv)
         side = self._save(layer, k, v, b)
         store_token_rows(self.slots[layer], self.tok_off[:b], k, v, cache.dev_k[layer],
@@ -161,11 +167,13 @@ class TwoTierPrefillGraphs:
                         self.host_ids[:hkv * nf], self.ntok[:hkv * nf],
                         self.sparse.summaries[layer], queries, pages_v)
         out = self._attend(q, k, v).reshape(b, -1)
-        x, res = lyr.attention_outputs(out, res)
-        # padding rows back to zero (their next layer's k / v: a zero row's), in the copies
-        pad = self.pad[:b]
-        torch.where(pad, self._zero, x, out=self.x[:b])
-        torch.where(pad, self._zero, res, out=self.residual[:b])
+        # the MLP's output and the stream written in place (two torch.where copies into the
+        # static buffers cost 51 us a layer at 2k on the H100: engine.md, twenty-eighth
+        # session), then the padding rows back to zero (their next layer's k / v: a zero
+        # row's, so no NaN reaches attention's P @ V through a padded key)
+        lyr.attention_outputs(out, res, out=self.x[:b], res_out=self.residual[:b])
+        self.x.index_fill_(0, self.pad_idx, 0)
+        self.residual.index_fill_(0, self.pad_idx, 0)
         if side is not None:  # join the save (k / v stay referenced until here)
             torch.cuda.current_stream(self.device).wait_stream(side)
 
@@ -207,7 +215,7 @@ class TwoTierPrefillGraphs:
         self._i64.copy_(h64)
         self.read.copy_(h32)
         self.staging.issued(i, None)  # a blocking copy: complete
-        self.pad.fill_(True)
+        self.pad_idx.fill_(self.max_tokens)
         if not self.capture_graphs:
             return
         keys = [(layer, b) for b in reversed(self.buckets) for layer in range(self.num_layers)]
@@ -253,7 +261,8 @@ class TwoTierPrefillGraphs:
         nb = pages.shape[1]
         if first < nb:  # map the kept pages in every layer of the segment (as eagerly)
             self._map(chunk, pages, first, a, c)
-        torch.lt(self.save_pages[:, :1], 0, out=self.pad)  # padding rows: no save page
+        torch.add(self._pad_rows, t, out=self.pad_idx)  # padding rows t .. b - 1 (and on)
+        self.pad_idx.clamp_(max=self.max_tokens)
         self.x[:t].copy_(h)
         if b > t:
             self.x[t:b].zero_()
