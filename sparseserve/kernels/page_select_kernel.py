@@ -20,11 +20,9 @@ in Triton, replacing ``SparseAlgorithm.select``'s score kernel, ~30 torch ops an
    the full pages, summed over the group); mass >= 0, so its float bits are an
    order-preserving int32 key. Kept pages get INT_MAX, the last page and entries past
    ``num_pages`` INT_MIN.
-4. Threshold. A radix search over the 2^32 key values for T = the k-th largest key
-   (``count(key >= T) >= k > count(key > T)``), 4 bits a pass: 8 block-wide counts of the 16
-   digits over the row (a binary search's 32 counts were a third of the select launch at 128k x
-   16: sparse.md, twenty-eighth session), keys held in registers when W <= ``MAX_TILE`` (else
-   written to a key scratch row and re-read, L2-resident).
+4. Threshold. Binary search over the 2^32 key values for T = the k-th largest key
+   (``count(key >= T) >= k > count(key > T)``): 32 block-wide counts over the row, held in
+   registers when W <= ``MAX_TILE`` (else written to a key scratch row and re-read, L2-resident).
 5. Compact. Keys > T and the first ``k - count(> T)`` keys == T in block order (deterministic
    ties) are written in block order by a prefix sum; the last page follows at ``num_sel - 1``.
 
@@ -67,29 +65,6 @@ def _row_keys(s_row, stride_sg, offs, n, sink, local, lse, G: tl.constexpr, GP: 
     key = mass.to(tl.int32, bitcast=True)  # mass >= 0: its bits order like its value
     key = tl.where(kept, 2147483647, key)
     return tl.where(scored | kept, key, -2147483647 - 1)
-
-
-@triton.jit
-def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
-
-
-@triton.jit
-def _digit_counts(keys, prefix, SH: tl.constexpr):
-    """[16] int32: how many of ``keys`` (int32 [TILE], TILE <= 2^16) whose unsigned order
-    (``key + 2^31``) has ``prefix`` above bit ``SH + 4`` have each digit ``(u >> SH) & 15``.
-    One reduction of four int64 words of four 16-bit counts each, not 16 reductions."""
-    u = keys.to(tl.int64) + 2147483648
-    d = ((u >> SH) & 15).to(tl.int32)
-    one = tl.where((u >> (SH + 4)) == prefix,
-                   tl.full(keys.shape, 1, tl.int64) << ((d % 4) * 16).to(tl.int64), 0)
-    g = d // 4
-    s0, s1, s2, s3 = tl.reduce((tl.where(g == 0, one, 0), tl.where(g == 1, one, 0),
-                                tl.where(g == 2, one, 0), tl.where(g == 3, one, 0)), 0, _add4)
-    dig = tl.arange(0, 16)
-    gd = dig // 4
-    w = tl.where(gd == 0, s0, tl.where(gd == 1, s1, tl.where(gd == 2, s2, s3)))
-    return ((w >> ((dig % 4) * 16).to(tl.int64)) & 0xFFFF).to(tl.int32)
 
 
 # the split count, its chunks per program and the partials' strides follow the step's decode
@@ -228,27 +203,26 @@ def _page_select_kernel(
                 kt = _row_keys(s_row, stride_sg, t0 + offs_t, n, sink, local, lse, G, GP)
                 tl.store(key_row + t0 + offs_t, kt, mask=t0 + offs_t < W)
             tl.debug_barrier()  # the search below reads other threads' keys
-        # T digit by digit, 4 bits a pass over the keys' unsigned order (8 passes, each one
-        # block-wide reduction of 16 counts): count(>= T) >= k_eff > count(> T) = n_gt
-        prefix = tl.full([], 0, tl.int64)  # T's digits chosen so far
-        n_gt = tl.full([], 0, tl.int32)    # keys above the prefix's range
-        dig = tl.arange(0, 16)
-        for i in tl.static_range(8):  # digit i from the top: bits 28 - 4 i ..
+        # binary search on [lo, hi): count(>= lo) >= k_eff > count(>= hi); int64 bounds
+        lo = tl.full([], -2147483647, tl.int64)
+        hi = tl.full([], 2147483648, tl.int64)
+        n_gt = tl.full([], 0, tl.int32)  # count(>= hi), i.e. count(> T) at the end
+        for _ in range(32):
+            mid = lo + (hi - lo) // 2
+            mid32 = mid.to(tl.int32)
             if ONE_TILE:
-                cnt = _digit_counts(keys, prefix, 28 - 4 * i)
+                cnt = tl.sum((keys >= mid32).to(tl.int32), axis=0)
             else:
-                cnt = tl.zeros([16], tl.int32)
+                cnt = tl.full([], 0, tl.int32)
                 for t0 in range(0, W, TILE):
                     kt = tl.load(key_row + t0 + offs_t, mask=t0 + offs_t < W,
                                  other=-2147483647 - 1, cache_modifier=".cg")
-                    cnt += _digit_counts(kt, prefix, 28 - 4 * i)
-            # the largest digit whose keys and those above still number k_eff (digit 0 always
-            # does: every key in the prefix's range, n_gt those above it)
-            ge = tl.sum(cnt, axis=0) - tl.cumsum(cnt, axis=0) + cnt
-            d = tl.max(tl.where(n_gt + ge >= k_eff, dig, 0), axis=0)
-            n_gt += tl.sum(tl.where(dig > d, cnt, 0), axis=0)
-            prefix = prefix * 16 + d
-        thr = (prefix - 2147483648).to(tl.int32)
+                    cnt += tl.sum((kt >= mid32).to(tl.int32), axis=0)
+            ok = cnt >= k_eff
+            lo = tl.where(ok, mid, lo)
+            n_gt = tl.where(ok, n_gt, cnt)
+            hi = tl.where(ok, hi, mid)
+        thr = lo.to(tl.int32)
         n_eq_take = k_eff - n_gt  # ties at T taken, lowest block index first
         out_p = pages_ptr + b64 * stride_pb + h * stride_ph
         out_b = blocks_ptr + b64 * stride_bb + h * stride_bh
