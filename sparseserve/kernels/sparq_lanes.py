@@ -25,11 +25,14 @@ Per warp and chunk of 16 pages (``m16n8k16`` fp16 mmas, fp32 accumulation; lane
 2. Tokens, page by page: rows = the page's tokens ``gr`` / ``gr + 8`` of its two code words,
    K = (chosen channel, code word), N = (head, code word) block-diagonal, as ``sparq_tiles``
    lays them out; the A operand is the codes' bits themselves as fp16 subnormals
-   ``code * 4^j * 2^-24`` (``j = gr % 4``, a token's bit position in its byte: one ``prmt`` and
-   one ``lop3`` a register, no conversion, no per-element multiply), the B operand is
-   ``q[h, c] * step_c * 2^-4`` for the page (the step folded into B instead of into every
-   decoded code; the widths ``hi - lo`` come from the lanes that loaded the page in step 1, so
-   only A waits on the page's load), and the mma's output, scaled by ``4^(-j) * 2^28`` per
+   ``code * 4^j * 2^-24`` (``j = gr % 4``, a token's bit position in its byte: one ``lop3``
+   a register, and a shift for row ``gr + 8``, no conversion, no per-element multiply); the
+   code words are loaded once a warp at the chunk's start, each by one lane, and reach the
+   lanes that need them by shuffles (``_chunk_codes``: no load on a page's chain, an eighth of
+   the L1 requests of a load per lane), the B operand is ``q[h, c] * step_c * 2^-4`` for the
+   page (the step folded into B instead of into every decoded code; the widths ``hi - lo``
+   shuffled as packed fp16 from the lanes that loaded the page's boxes in step 1, one
+   ``HMUL2`` a register), and the mma's output, scaled by ``4^(-j) * 2^28`` per
    lane, plus the page's centring term (one fma) is each token's approximate logit minus the
    mean key's, ``d``. Those deviations are centred (the mean of a page's keys is their
    centre), so ``x = base + log2 sum_t exp2(d_t)`` needs no running max (the log is clamped
