@@ -1,8 +1,12 @@
 """Where a step's GPU idles: read a torch.profiler Chrome trace (prefill_mfu.py --trace-dir)
-and list the gaps of the busiest stream, each with why it idled.
+and list the gaps of its compute, each with why it idled.
 
-For every gap longer than `--min-gap-us` on the stream that ran the most kernel time (the
-compute stream), the kernel that ended it is matched to its launch (the runtime or driver call
+The compute is every GPU kernel, copy and memset on any stream but the side work named by
+`--side-kernels` (the GPU-direct saves): a replayed CUDA graph runs its forked bodies on
+streams of its own (the two-tier layer graphs: a stream per layer graph, while their saves
+show on the capturing stream), so no single stream holds a step's compute. For every gap
+longer than `--min-gap-us` in the union of the compute intervals, the kernel that ended it
+is matched to its launch (the runtime or driver call
 of the same `correlation` id; enqueued when that call returned): if it was enqueued after the
 gap began, the GPU waited for the host
 ("host", and the CPU op the launch was made in is named); if it came before, the kernel waited
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections import defaultdict
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -34,6 +39,9 @@ def busy_intervals(events: list[dict]) -> dict[object, list[tuple[float, float, 
             stream = e.get("args", {}).get("stream", e.get("tid"))
             by_stream[stream].append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e))
     return {s: sorted(v, key=lambda x: x[0]) for s, v in by_stream.items()}
+
+
+SIDE_KERNELS = r"_gpu_direct_kernel"  # the GPU-direct saves (transfer/gpu_direct.py)
 
 
 def gaps(intervals: list[tuple[float, float, dict]], min_gap: float
@@ -62,13 +70,15 @@ def overlap(a0: float, a1: float, intervals) -> float:
     return total + (cur[1] - cur[0] if cur is not None else 0.0)
 
 
-def analyse(events: list[dict], min_gap: float = 20.0) -> dict:
-    """The compute stream's gaps and their causes (module doc) -> a JSON-able summary."""
+def analyse(events: list[dict], min_gap: float = 20.0, side_kernels: str = SIDE_KERNELS) -> dict:
+    """The compute's gaps and their causes (module doc) -> a JSON-able summary."""
     streams = busy_intervals(events)
     if not streams:
         return {"streams": {}, "gaps": [], "span_us": 0.0}
     busy = {s: sum(e - b for b, e, _ in v) for s, v in streams.items()}
-    main = max(busy, key=busy.get)
+    is_side = re.compile(side_kernels).search
+    compute = sorted((x for v in streams.values() for x in v if not is_side(x[2].get("name", ""))),
+                     key=lambda x: x[0])
     # when each kernel was enqueued: the end of its launch call. Triton kernels are launched
     # through the driver API (cuLaunchKernel*: "cuda_driver"), torch's through the runtime;
     # where a runtime call wraps a driver call of the same correlation id, the inner one
@@ -82,9 +92,9 @@ def analyse(events: list[dict], min_gap: float = 20.0) -> dict:
                      key=lambda e: float(e["ts"]))
     first = min(v[0][0] for v in streams.values())
     last = max(max(e for _, e, _ in v) for v in streams.values())
-    side = [x for s, v in streams.items() if s != main for x in v]
+    side = [x for v in streams.values() for x in v if is_side(x[2].get("name", ""))]
     rows = []
-    for g0, g1, ev in gaps(streams[main], min_gap):
+    for g0, g1, ev in gaps(compute, min_gap):
         t = enqueued.get(ev.get("args", {}).get("correlation"))
         cause, op = "device", None
         if t is not None and t > g0:
@@ -94,7 +104,8 @@ def analyse(events: list[dict], min_gap: float = 20.0) -> dict:
         rows.append({"start_us": g0 - first, "gap_us": g1 - g0, "cause": cause,
                      "next_kernel": ev.get("name", "")[:100], "launched_in": op,
                      "side_stream_busy_us": overlap(g0, g1, side)})
-    return {"span_us": last - first, "main_stream": str(main),
+    return {"span_us": last - first, "side_kernels": side_kernels,
+            "compute_busy_us": overlap(first, last, compute),
             "streams": {str(s): {"kernels": len(v), "busy_us": busy[s]}
                         for s, v in streams.items()},
             "idle_us": sum(r["gap_us"] for r in rows),
@@ -107,13 +118,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("traces", nargs="+", help="Chrome trace JSON files")
     p.add_argument("--min-gap-us", type=float, default=20.0)
+    p.add_argument("--side-kernels", default=SIDE_KERNELS,
+                   help="regex of kernel names that are side work, not compute (default: the "
+                        "GPU-direct saves)")
     p.add_argument("--top", type=int, default=10, help="longest gaps printed per trace")
     p.add_argument("--out", default=None, help="JSON summary path")
     a = p.parse_args(argv)
     res = {}
     for path in a.traces:
-        r = res[path] = analyse(load_events(path), a.min_gap_us)
-        print(f"{path}: span {r['span_us'] / 1e3:.1f} ms, compute stream idle "
+        r = res[path] = analyse(load_events(path), a.min_gap_us, a.side_kernels)
+        print(f"{path}: span {r['span_us'] / 1e3:.1f} ms, compute idle "
               f"{r.get('idle_us', 0) / 1e3:.1f} ms in {len(r['gaps'])} gaps "
               f"(host {r.get('idle_by_cause_us', {}).get('host', 0) / 1e3:.1f} ms, device "
               f"{r.get('idle_by_cause_us', {}).get('device', 0) / 1e3:.1f} ms)")

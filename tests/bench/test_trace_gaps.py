@@ -1,5 +1,6 @@
-"""benchmarks/trace_gaps.py on a hand-built trace: every gap of the compute stream found, its
-cause read from its kernel's launch time, side-stream work inside it measured."""
+"""benchmarks/trace_gaps.py on hand-built traces: every gap of the compute (every kernel but the
+saves, on any stream) found, its cause read from its kernel's launch time, the saves' work
+inside it measured; a graph's bodies on streams of their own make no gap."""
 import json
 import os
 import subprocess
@@ -23,9 +24,10 @@ def launch(ts, corr):
 
 def trace():
     # compute stream 7: [0, 100) [100, 300) gap [300, 400) [400, 500) gap [500, 517) [517, 900)
-    # side stream 9: [320, 370) (inside the first gap), [600, 650)
+    # side stream 9, the saves: [320, 370) (inside the first gap), [600, 650)
+    save = "_gpu_direct_kernel"
     ev = [kernel("a", 0, 100, 7, 1), kernel("b", 100, 200, 7, 2), kernel("c", 400, 100, 7, 3),
-          kernel("d", 517, 383, 7, 4), kernel("save", 320, 50, 9, 5), kernel("save", 600, 50, 9, 6),
+          kernel("d", 517, 383, 7, 4), kernel(save, 320, 50, 9, 5), kernel(save, 600, 50, 9, 6),
           launch(0, 1), launch(1, 2), launch(390, 3), launch(3, 4), launch(4, 5), launch(5, 6),
           {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 385, "dur": 10},
           {"ph": "X", "cat": "cpu_op", "name": "step", "ts": 0, "dur": 900}]
@@ -34,7 +36,7 @@ def trace():
 
 def test_gaps_and_causes():
     r = analyse(trace(), min_gap=10)
-    assert r["main_stream"] == "7" and r["span_us"] == 900
+    assert r["span_us"] == 900 and r["compute_busy_us"] == 783
     assert [(g["start_us"], g["gap_us"]) for g in r["gaps"]] == [(300, 100), (500, 17)]
     host, dev = r["gaps"]
     # kernel c was launched at 390, after its gap began at 300: the GPU waited for the host,
@@ -45,6 +47,19 @@ def test_gaps_and_causes():
     assert dev["cause"] == "device" and dev["launched_in"] is None
     assert r["idle_by_cause_us"] == {"host": 100, "device": 17}
     assert analyse(trace(), min_gap=20)["idle_us"] == 100  # the short gap is under the bar
+
+
+def test_graph_streams_are_compute():
+    """A replayed graph's forked bodies run on streams of their own (one per layer graph) while
+    its save shows on the capturing stream: the compute is their union, the save side work."""
+    ev = [kernel("layer0", 0, 100, 250, 1), kernel("layer1", 100, 100, 252, 2),
+          kernel("_gpu_direct_kernel", 50, 40, 7, 3), kernel("layer2", 300, 50, 254, 4),
+          launch(0, 1), launch(1, 2), launch(2, 3), launch(3, 4)]
+    r = analyse(ev, min_gap=10)
+    assert [(g["start_us"], g["gap_us"]) for g in r["gaps"]] == [(200, 100)]
+    assert r["compute_busy_us"] == 250 and r["gaps"][0]["side_stream_busy_us"] == 0
+    # the same save counted as compute (an empty side pattern matches nothing)
+    assert analyse(ev, min_gap=10, side_kernels="$^")["compute_busy_us"] == 250
 
 
 def test_driver_launches_count():
