@@ -63,6 +63,44 @@ def test_fused_add_rms_norm(T, N, dtype, with_residual):
         assert (got.cpu() != want).float().mean().item() < 1e-3
 
 
+@pytest.mark.parametrize("T,N", [(1, 576), (54, 4096), (4097, 200)])
+def test_fused_add_rms_norm_residual_in_place(T, N):
+    """``res_out=residual`` (the two-tier layer graphs' static stream): the new residual lands
+    in the residual's own memory, bit for bit the out-of-place result, the normed rows too;
+    ``res_out`` a row slice of a wider buffer leaves the rest of it alone."""
+    g = _gen(T + N)
+    x = (3 * torch.randn(T, N, generator=g)).to(torch.bfloat16).to(DEVICE)
+    r = torch.randn(T, N, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = (1 + 0.2 * torch.randn(N, generator=g)).to(torch.bfloat16).to(DEVICE)
+    want, want_res = K.fused_add_rms_norm(x, r, w, 1e-5)
+    buf = torch.full((T + 3, N), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    buf[:T] = r
+    ptr = buf.data_ptr()
+    got, got_res = K.fused_add_rms_norm(x, buf[:T], w, 1e-5, res_out=buf[:T])
+    assert got_res.data_ptr() == ptr and buf.data_ptr() == ptr
+    assert torch.equal(buf[:T], want_res) and torch.equal(got, want)
+    assert bool((buf[T:] == 7).all())
+    with pytest.raises(AssertionError):  # a wrong-shaped output is refused
+        K.fused_add_rms_norm(x, r, w, 1e-5, res_out=buf[:T + 1])
+
+
+def test_gated_mlp_out_writes_the_down_projection():
+    """``GatedMLP.forward(out=)`` writes what ``forward`` returns into ``out`` (the two-tier
+    graphs' static stream) and refuses a residual with it."""
+    from sparseserve.model.layers import GatedMLP
+    torch.manual_seed(3)
+    mlp = GatedMLP(64, 96).to(DEVICE)
+    x = torch.randn(17, 64, device=DEVICE)
+    with torch.inference_mode():  # as the engine runs (mm(out=) does not record grads)
+        want = mlp(x, fused=True)
+        out = torch.zeros(17, 64, device=DEVICE)
+        got = mlp(x, fused=True, out=out)
+        assert got.data_ptr() == out.data_ptr()
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+        with pytest.raises(ValueError, match="out="):
+            mlp(x, residual=x, fused=True, out=out)
+
+
 def test_rms_norm_strided_rows_and_plain_wrapper():
     """Rows of a wider buffer (a strided view), and ``rms_norm`` == ``RMSNorm.forward``."""
     g = _gen(1)
