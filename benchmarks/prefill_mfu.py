@@ -156,7 +156,7 @@ def profile_prompt(eng, prompt: list[int], top: int, trace: str | None = None) -
     the kernels with the most device time (`device_ms`: their sum over every stream, so a side
     stream's saves count though they may overlap compute) and the copies by input shape.
     `trace`: a path prefix; each step's Chrome trace is written to `{trace}_step{i}.json`
-    (benchmarks/trace_gaps.py reads where the compute stream idles)."""
+    (benchmarks/trace_gaps.py reads where the compute idles)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile

@@ -46,8 +46,8 @@ SIDE_KERNELS = r"_gpu_direct_kernel"  # the GPU-direct saves (transfer/gpu_direc
 
 def gaps(intervals: list[tuple[float, float, dict]], min_gap: float
          ) -> list[tuple[float, float, dict]]:
-    """-> [(gap start, gap end, the event that ended it)] between consecutive kernels of one
-    stream (overlaps merged), longer than min_gap us."""
+    """-> [(gap start, gap end, the event that ended it)] between consecutive intervals
+    (sorted by start; overlaps merged), longer than min_gap us."""
     out, end = [], None
     for s, e, ev in intervals:
         if end is not None and s - end > min_gap:
@@ -76,7 +76,8 @@ def analyse(events: list[dict], min_gap: float = 20.0, side_kernels: str = SIDE_
     if not streams:
         return {"streams": {}, "gaps": [], "span_us": 0.0}
     busy = {s: sum(e - b for b, e, _ in v) for s, v in streams.items()}
-    is_side = re.compile(side_kernels).search
+    # '' names no side work (an empty pattern would match every kernel)
+    is_side = re.compile(side_kernels).search if side_kernels else (lambda name: None)
     compute = sorted((x for v in streams.values() for x in v if not is_side(x[2].get("name", ""))),
                      key=lambda x: x[0])
     # when each kernel was enqueued: the end of its launch call. Triton kernels are launched
@@ -120,7 +121,9 @@ def main(argv=None) -> int:
     p.add_argument("--min-gap-us", type=float, default=20.0)
     p.add_argument("--side-kernels", default=SIDE_KERNELS,
                    help="regex of kernel names that are side work, not compute (default: the "
-                        "GPU-direct saves)")
+                        "GPU-direct saves; '' none). Copies and other kernels on side streams "
+                        "(a flash_d2h save's memcpy, the loader's copies) count as compute, and "
+                        "a save run on the compute stream shows as a gap")
     p.add_argument("--top", type=int, default=10, help="longest gaps printed per trace")
     p.add_argument("--out", default=None, help="JSON summary path")
     a = p.parse_args(argv)

@@ -47,13 +47,13 @@ def two_tier_graph_buckets(cfg: EngineConfig) -> list[int]:
 
 def two_tier_graph_bytes(cfg: EngineConfig) -> int:
     """Their static buffers (stream and residual [n + 1, hidden], fp32 RoPE [n, 2, D], the
-    plan: (Hkv + 3) int64 per token, 12 bytes per (page, KV head), the padding index (two
-    int64 per row of a bucket step, at most n), the
-    slot table [L, Hkv, pages + 1] int32) and their pool, which holds one layer's
-    intermediates at the largest bucket n: qkv, attention's padded q / k / v and output
-    (twice: the reshape), the gathered pages' K, the norms, O projection and residual
-    [n, hidden] x 4, the MLP's gate/up [n, 2 I] and its product [n, I]; 0 when none are
-    captured."""
+    plan: (Hkv + 3) int64 per token, 16 bytes per (page, KV head) and 8 per page, the padding
+    index (two int64 per row of the largest bucket step, at most n), the slot table
+    [L, Hkv, pages + 1] int32) and their pool, which holds one layer's intermediates at the
+    largest bucket n: qkv, attention's padded q / k / v and output (twice: the reshape), the
+    gathered pages' K, the two norms' outputs and the O projection [n, hidden] x 3 (the
+    residual and the MLP's output are written into the static stream), the MLP's gate/up
+    [n, 2 I] and its product [n, I]; 0 when none are captured."""
     if not captures_two_tier_graphs(cfg):
         return 0
     from sparseserve.engine.memory_plan import DTYPE_BYTES
@@ -63,8 +63,8 @@ def two_tier_graph_bytes(cfg: EngineConfig) -> int:
     hkv, hq, d = mc.num_key_value_heads, mc.num_attention_heads, mc.head_dim
     pages = -(-n // cfg.cache.page_size) + 1
     static = ((n + 1) * 2 * mc.hidden_size * e + n * (2 * d * 4 + (hkv + 3) * 8 + 16)
-              + pages * hkv * 12
+              + pages * (hkv * 16 + 8)
               + mc.num_hidden_layers * hkv * pages * 4)
-    pool = n * e * (2 * (hq + 2 * hkv) * d + 2 * hq * d + hkv * d + 4 * mc.hidden_size
+    pool = n * e * (2 * (hq + 2 * hkv) * d + 2 * hq * d + hkv * d + 3 * mc.hidden_size
                     + 3 * mc.intermediate_size)
     return static + pool

@@ -106,6 +106,9 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     assert weight.shape == (N,) and weight.dtype == x.dtype and weight.is_contiguous()
     assert x.stride(-1) == 1
     kind = _kind(x)
+    if res_out is not None and residual is None:
+        raise ValueError("fused_add_rms_norm: res_out needs a residual (without one the "
+                         "stream is x itself, returned as it is)")
     out = torch.empty((T, N), dtype=x.dtype, device=x.device)
     if residual is None:
         res, r, sr = x, x, 0

@@ -43,10 +43,12 @@ Per warp and chunk of 16 pages (``m16n8k16`` fp16 mmas, fp32 accumulation; lane
 3. The chunk's 16 x values end on lanes ``(p % 8, t)``; they are stored and folded into the
    lane's running (max, sum of exp2) once per chunk, reduced over the program at the end.
 
-fp16 operands: ``q * scale``, ``q * step`` and the centring terms must stay below 65504 (a
-key of magnitude ~10^4 would overflow them: bf16 keys that large do not occur in the models
-served; the ``sparq_stream`` path has no such limit). Same numbers as the reference to fp16
-rounding of those operands (``sparq_stream`` rounds the decoded codes times step to bf16).
+fp16 operands: ``q * scale``, ``q * step / 64`` (a box's width rounded to fp16, then the
+product rounded again: two roundings), the widths themselves (clamped at 65504) and the
+centring terms must stay below 65504 (a key of magnitude ~10^4 would overflow them: bf16 keys
+that large do not occur in the models served; the ``sparq_stream`` path has no such limit).
+Same numbers as the reference to fp16 rounding of those operands (``sparq_stream`` rounds the
+decoded codes times step to bf16).
 
 Supported: 4-word records with a 16-bit box (``REC`` 1 bf16, 2 fp16), page 32, R = 16, GQA
 groups up to 4, head_dim 64 or 128, 16-byte aligned means; ``select_pages`` falls back to
@@ -295,10 +297,12 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
         o_a, _, o_b, _ = mma_m16n8k16(f16x2(oa[0], oa[1], FAST), f16x2(ob[0], ob[1], FAST),
                               f16x2(oa[2], oa[3], FAST), f16x2(ob[2], ob[3], FAST),
                               b_off0, b_off1, zf, zf, zf, zf, N, FAST)
-        wa01 = f16x2(wa[0], wa[1], FAST)  # the widths shuffled as packed fp16 pairs
-        wa23 = f16x2(wa[2], wa[3], FAST)
-        wb01 = f16x2(wb[0], wb[1], FAST)
-        wb23 = f16x2(wb[2], wb[3], FAST)
+        # the widths shuffled as packed fp16 pairs, held at fp16's largest finite value (an
+        # inf width times the zero half of a B column would be NaN)
+        wa01 = f16x2(tl.minimum(wa[0], 65504.0), tl.minimum(wa[1], 65504.0), FAST)
+        wa23 = f16x2(tl.minimum(wa[2], 65504.0), tl.minimum(wa[3], 65504.0), FAST)
+        wb01 = f16x2(tl.minimum(wb[0], 65504.0), tl.minimum(wb[1], 65504.0), FAST)
+        wb23 = f16x2(tl.minimum(wb[2], 65504.0), tl.minimum(wb[3], 65504.0), FAST)
         # 2. tokens, page by page: the centring term and widths from lane (p % 8, t), the
         # code bytes from their loader (_chunk_codes: page p on lanes (2 (p % 4) + s, t),
         # s = the row half); x of page p ends on lanes (p % 8, t)

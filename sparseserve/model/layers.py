@@ -171,7 +171,9 @@ class GatedMLP(nn.Module):
                 fused: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden] (+ residual, added after the all-reduce with tp).
         `fused`: the activation is one Triton launch (kernels/fused_layer_ops.py). `out`
-        [T, hidden] (no residual, no tp): the down projection's GEMM writes there."""
+        [T, hidden] (no residual, no tp): the down projection's GEMM writes there (``torch.mm``
+        with ``out=``: F.linear's GEMM on CUDA, not the CPU's packed oneDNN one; inference
+        mode only, as the engine runs)."""
         # CPU, packed weights: the activation rides on the GEMMs (None elsewhere)
         act = None if fused else silu_mul(x, self.gate_proj.weight, self.up_proj.weight)
         if act is None:

@@ -29,8 +29,9 @@ Padding: a step of T tokens runs the bucket b >= T. Rows [T, b) have a zero stre
 positions T.. (causal attention: no real row sees them), save to no page (page -1), store
 into the scratch slot (the static slot table's last column), and complete no page (their
 summaries are skipped: read id -1). Their stream and residual stay zero from layer to layer
-(each layer writes its outputs in place, then zeroes those rows: two index_fill_ over at most
-a bucket step of rows, the index set once per run), so their q / k / v
+(each layer writes its outputs in place, then zeroes those rows: two index_fill_ over the
+rows t .. t + the largest bucket step, past n the scratch row n; the index set once per run),
+so their q / k / v
 are those of a zero row (zero without a qkv bias, finite with one): no NaN can reach
 attention's P @ V through a padded key (0 * NaN), as the eager path's zero padding ensures.
 Buckets are the cuDNN plans' lengths (prefill_attention.bucket_lengths), so the eager path and

@@ -82,6 +82,8 @@ def test_fused_add_rms_norm_residual_in_place(T, N):
     assert bool((buf[T:] == 7).all())
     with pytest.raises(AssertionError):  # a wrong-shaped output is refused
         K.fused_add_rms_norm(x, r, w, 1e-5, res_out=buf[:T + 1])
+    with pytest.raises(ValueError, match="needs a residual"):  # nothing to write without one
+        K.fused_add_rms_norm(x, None, w, 1e-5, res_out=buf[:T])
 
 
 def test_gated_mlp_out_writes_the_down_projection():

@@ -315,6 +315,41 @@ def test_padding_stream_stays_zero(tiny_model_dirs):
     torch.testing.assert_close(res[0], res[1], rtol=TOL, atol=TOL)
 
 
+def test_padding_rows_zero_at_every_layer_over_stale_buffers(tiny_model_dirs):
+    """Several buckets and stale stream / residual everywhere (as a larger bucket's run leaves
+    above the next run's rows): a 54-token run in bucket 64 sees zero padding rows at every
+    layer's input (each layer writes in place, then zeroes rows 54 ..), and its result equals
+    a one-bucket run's."""
+    path, _ = tiny_model_dirs["llama-gqa"]
+    llm = _llm(path, 400, max_num_seqs=8)
+    runner = llm.engine.runner
+    runner.model.fused_ops = True
+    out = _steps(runner, llm.engine.scheduler)[0]
+    runner._apply_page_diffs(out.chunks)
+    chunk = dataclasses.replace(out.chunks[3], resident_pages=0)  # 54 tokens, layers [0, 2)
+    h = runner.model.embed(torch.tensor(chunk.token_ids, device=DEVICE))
+    ref = TwoTierPrefillGraphs(runner, [224], capture=False)
+    ref.capture()
+    with torch.inference_mode():
+        want = ref.run(h, chunk, 0, 2)
+    tt = TwoTierPrefillGraphs(runner, [32, 64, 128], capture=False)
+    tt.capture()
+    tt.x.fill_(3.0)
+    tt.residual.fill_(-2.0)
+    seen, layer_body = [], tt._layer
+
+    def spy(layer, b):
+        seen.append((b, tt.x[54:b].abs().max().item(), tt.residual[54:b].abs().max().item()))
+        layer_body(layer, b)
+
+    tt._layer = spy
+    with torch.inference_mode():
+        got = tt.run(h, chunk, 0, 2)
+    assert seen == [(64, 0.0, 0.0), (64, 0.0, 0.0)]
+    assert not tt.x[54:64].any() and not tt.residual[54:64].any()
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+
+
 def test_longer_prompts_run_eagerly(tiny_model_dirs):
     """A prompt above the largest bucket is not run here (runs() is False), a chunk that
     continues a prefix neither; run() refuses both."""
