@@ -291,18 +291,24 @@ def test_several_slot_free_prompts_in_a_step(tiny_model_dirs):
     _same_state(got_state, want_state)
 
 
-def test_padding_stream_stays_zero(tiny_model_dirs):
-    """After each layer the padding rows' stream and residual are zero (so their k / v are a
-    zero row's at the next layer: finite, nothing for 0 * NaN in attention), the real rows
-    equal to a run with a larger bucket."""
+def _prompt_of_54(tiny_model_dirs):
+    """An engine (kept alive by the caller), its runner with the fused ops forced, a 54-token
+    slot-free prompt chunk of layers [0, 2) with no page kept resident, and its stream."""
     path, _ = tiny_model_dirs["llama-gqa"]
     llm = _llm(path, 400, max_num_seqs=8)
     runner = llm.engine.runner
     runner.model.fused_ops = True
     out = _steps(runner, llm.engine.scheduler)[0]
     runner._apply_page_diffs(out.chunks)
-    chunk = dataclasses.replace(out.chunks[3], resident_pages=0)  # 54 tokens, layers [0, 2)
-    h = runner.model.embed(torch.tensor(chunk.token_ids, device=DEVICE))
+    chunk = dataclasses.replace(out.chunks[3], resident_pages=0)
+    return llm, runner, chunk, runner.model.embed(torch.tensor(chunk.token_ids, device=DEVICE))
+
+
+def test_padding_stream_stays_zero(tiny_model_dirs):
+    """After each layer the padding rows' stream and residual are zero (so their k / v are a
+    zero row's at the next layer: finite, nothing for 0 * NaN in attention), the real rows
+    equal to a run with a larger bucket."""
+    llm, runner, chunk, h = _prompt_of_54(tiny_model_dirs)
     res = []
     for bucket in (64, 224):
         tt = TwoTierPrefillGraphs(runner, [bucket], capture=False)
@@ -320,14 +326,7 @@ def test_padding_rows_zero_at_every_layer_over_stale_buffers(tiny_model_dirs):
     above the next run's rows): a 54-token run in bucket 64 sees zero padding rows at every
     layer's input (each layer writes in place, then zeroes rows 54 ..), and its result equals
     a one-bucket run's."""
-    path, _ = tiny_model_dirs["llama-gqa"]
-    llm = _llm(path, 400, max_num_seqs=8)
-    runner = llm.engine.runner
-    runner.model.fused_ops = True
-    out = _steps(runner, llm.engine.scheduler)[0]
-    runner._apply_page_diffs(out.chunks)
-    chunk = dataclasses.replace(out.chunks[3], resident_pages=0)  # 54 tokens, layers [0, 2)
-    h = runner.model.embed(torch.tensor(chunk.token_ids, device=DEVICE))
+    llm, runner, chunk, h = _prompt_of_54(tiny_model_dirs)
     ref = TwoTierPrefillGraphs(runner, [224], capture=False)
     ref.capture()
     with torch.inference_mode():
