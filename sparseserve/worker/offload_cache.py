@@ -252,11 +252,14 @@ class TwoTierCache(CacheRetrieve, CacheIntrospection):
         self._marked_steps.add(self._host_step)
         last[self.scratch_slot].fill_(-1)
 
-    def save_plan(self, host_pages: np.ndarray, offsets: np.ndarray) -> SavePlan:
+    def save_plan(self, host_pages: np.ndarray, offsets: np.ndarray,
+                  validate: bool = True) -> SavePlan:
         """The step's save destinations, validated once: host_pages [T, Hkv], offsets [T] or
-        [T, Hkv]; pass the plan to every layer's `save`."""
+        [T, Hkv]; pass the plan to every layer's `save`. ``validate`` False: ids from the
+        page directory (below the scratch page by construction) and offsets ``pos %
+        page_size``, the runner's, skip the range checks (~1 ms at 32k tokens)."""
         return make_save_plan(host_pages, offsets, self.num_host_pages + 1, self.page_size,
-                              shape=np.shape(host_pages))
+                              validate=validate, shape=np.shape(host_pages))
 
     def save(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: SavePlan) -> None:
         """Write new K/V [T, Hkv, D] through to DRAM with the configured saver (async)."""

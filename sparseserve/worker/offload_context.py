@@ -81,8 +81,9 @@ class OffloadForwardContext(ForwardContext):
         first = nd if cache.direct_decode_saves else 0
         if k.shape[0] > first:  # prefill rows (and decode rows for the per-page baseline)
             if self._save_plan is None:  # the step's destinations: the same at every layer
+                # (from the runner's page directory: in range by construction)
                 self._save_plan = cache.save_plan(self.save_pages[first:],
-                                                  self.save_offsets[first:])
+                                                  self.save_offsets[first:], validate=False)
             cache.save(layer, k[first:], v[first:], self._save_plan)
         summaries = self.sparse.summaries[layer]
         if nd and not self.prefills and nd == q.shape[0]:  # decode only: no copy into `out`

@@ -22,12 +22,21 @@ def step_token_arrays(chunks: Sequence[ScheduledChunk]
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
     """-> (ids int64 [T], positions int64 [T], rows int64 [T], offsets: the first token of
     each chunk in them, Python ints), T = the chunks' tokens in order. A chunk's positions are
-    [start, start + num_tokens); its rows are its batch row."""
+    [start, start + num_tokens); its rows are its batch row; its ids are 0 when it starts past
+    layer 0 (a layer segment: its stream is the saved hidden state, ids are not embedded;
+    penalties and prompt logprobs read the chunk's own token_ids)."""
     counts = [c.num_tokens for c in chunks]
     total = sum(counts)
     offsets = list(itertools.accumulate(counts, initial=0))[:-1]
-    ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64,
-                      total)
+    embedded = [c.layer_start == 0 for c in chunks]
+    if all(embedded):
+        ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64,
+                          total)
+    else:  # a chunk past its first layer starts from its saved hidden state: ids unread, 0
+        ids = np.zeros(total, np.int64)
+        ids[np.repeat(np.array(embedded), counts)] = np.fromiter(
+            itertools.chain.from_iterable(c.token_ids for c, e in zip(chunks, embedded) if e),
+            np.int64, sum(n for n, e in zip(counts, embedded) if e))
     pos = np.concatenate([np.empty(0, np.int64)]  # no chunks: an empty array, not an error
                          + [np.arange(c.start, c.start + n, dtype=np.int64)
                             for c, n in zip(chunks, counts)])
