@@ -14,7 +14,7 @@ from . import patch_triton_interpreter
 
 patch_triton_interpreter()
 
-__all__ = ["lane_base", "shfl_idx", "shfl_f32", "shfl_xor", "ldg4", "ldg4_at", "ldg1_at",
+__all__ = ["lane_base", "shfl_idx", "shfl_f32", "shfl_xor", "ldg4", "ldg1_at",
            "byte_pair", "prmt", "f16x2", "half", "hmul2_half", "mma_m16n8k16"]
 
 
@@ -65,21 +65,6 @@ def ldg4(ptr, FAST: tl.constexpr):
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
     else:
         return tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3)
-
-
-@triton.jit
-def ldg4_at(base, word, FAST: tl.constexpr):
-    """``ldg4(base + word)``, the address formed in the load's asm (one ``mad.wide`` of the
-    int32 word offset onto the int32 pointer ``base``: Triton would add a hoisted 64-bit
-    offset, two instructions)."""
-    if FAST:
-        return tl.inline_asm_elementwise(
-            "{ .reg .u64 a; mad.wide.s32 a, $5, 4, $4; "
-            "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [a]; }", "=r,=r,=r,=r,l,r",
-            [base.to(tl.int64, bitcast=True), word],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    else:
-        return ldg4(base + word, FAST)
 
 
 @triton.jit

@@ -164,6 +164,14 @@ def _centring(codes_ptr, mean_ptr, pid, roff, ks, chs, chw, stride_mean, REC: tl
 
 
 @triton.jit
+def _widths_f16(w, FAST: tl.constexpr):
+    """A page's 4 slot widths (fp32) as two packed fp16 words (slots 0, 1 and 2, 3), held at
+    fp16's largest finite value (an inf width times the zero half of a B column is NaN)."""
+    return (f16x2(tl.minimum(w[0], 65504.0), tl.minimum(w[1], 65504.0), FAST),
+            f16x2(tl.minimum(w[2], 65504.0), tl.minimum(w[3], 65504.0), FAST))
+
+
+@triton.jit
 def _chunk_codes(codes_ptr, pt_row, cc, c1, n, gr, chw, stride_codes, RI: tl.constexpr,
                  N: tl.constexpr, FAST: tl.constexpr):
     """The chunk's code words, each loaded by one lane, no copies: lane ``(gr, t)`` loads word
@@ -297,12 +305,8 @@ def sparq_score_lanes(q_row, stride_qh, mean_ptr, codes_ptr, kscale_ptr, ch_row,
         o_a, _, o_b, _ = mma_m16n8k16(f16x2(oa[0], oa[1], FAST), f16x2(ob[0], ob[1], FAST),
                               f16x2(oa[2], oa[3], FAST), f16x2(ob[2], ob[3], FAST),
                               b_off0, b_off1, zf, zf, zf, zf, N, FAST)
-        # the widths shuffled as packed fp16 pairs, held at fp16's largest finite value (an
-        # inf width times the zero half of a B column would be NaN)
-        wa01 = f16x2(tl.minimum(wa[0], 65504.0), tl.minimum(wa[1], 65504.0), FAST)
-        wa23 = f16x2(tl.minimum(wa[2], 65504.0), tl.minimum(wa[3], 65504.0), FAST)
-        wb01 = f16x2(tl.minimum(wb[0], 65504.0), tl.minimum(wb[1], 65504.0), FAST)
-        wb23 = f16x2(tl.minimum(wb[2], 65504.0), tl.minimum(wb[3], 65504.0), FAST)
+        wa01, wa23 = _widths_f16(wa, FAST)  # shuffled as packed fp16 pairs
+        wb01, wb23 = _widths_f16(wb, FAST)
         # 2. tokens, page by page: the centring term and widths from lane (p % 8, t), the
         # code bytes from their loader (_chunk_codes: page p on lanes (2 (p % 4) + s, t),
         # s = the row half); x of page p ends on lanes (p % 8, t)

@@ -344,12 +344,7 @@ class ModelRunner(SamplingStep):
             pos, rws = self._np_pos, self._np_rows
             if np_idx is not None:
                 pos, rws = pos[np_idx], rws[np_idx]
-            # [T, Hkv]: the decode rows' token by token, each prefill chunk's page by page
-            ps, nt = self.page_size, offsets[num_decode] if prefills else len(pos)
-            save_pages = np.concatenate(
-                [self.pages.host_pages(rws[:nt], pos[:nt] // ps)]
-                + [self.pages.host_pages_span(c.row, c.start, c.num_tokens, ps)
-                   for c in chunks[num_decode:]])
+            save_pages = self.pages.step_host_pages(chunks, pos, rws, self.page_size)
             ctx = OffloadForwardContext(*args, decode_width=width, sparse=self.sparse,
                                         prefill_attention=self.prefill_attn,
                                         cache=self.offload, save_pages=save_pages,

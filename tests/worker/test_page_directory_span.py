@@ -28,3 +28,21 @@ def test_span_equals_per_token_lookup(directory, start, n):
     assert got.shape == (n, HKV) and got.dtype == np.int64
     np.testing.assert_array_equal(got, want)
     assert got.max() <= SCRATCH
+
+
+def test_step_host_pages_equals_per_token_lookup(directory):
+    """A step of two decode rows then prefill chunks of 17 and 54 tokens (off page edges):
+    ``step_host_pages`` == the per-token lookup over the step's positions and rows."""
+    from sparseserve.engine.sched_output import ScheduledChunk
+    from sparseserve.worker.step_arrays import step_token_arrays
+
+    def chunk(row, start, n, decode):
+        return ScheduledChunk(request_id=f"r{row}", row=row, token_ids=[5] * n, start=start,
+                              layer_start=0, layer_end=2, sample=decode, num_output_tokens=0)
+
+    chunks = [chunk(0, 700, 1, True), chunk(3, 95, 1, True), chunk(1, 5, 17, False),
+              chunk(2, 31, 54, False)]
+    assert [c.is_decode for c in chunks] == [True, True, False, False]
+    _, pos, rows, _ = step_token_arrays(chunks)
+    np.testing.assert_array_equal(directory.step_host_pages(chunks, pos, rows, PS),
+                                  directory.host_pages(rows, pos // PS))
