@@ -14,7 +14,8 @@ working-set control; sparseserve-flashd2h: prefill saves by FlashD2H's CPU scatt
 the preset's GPU-direct writes; sparseserve-copyengine: by the copy engine; dense-async,
 sparseserve-async: with async scheduling; *-piecewise: with piecewise CUDA graphs for steps
 with prefill work, `--cudagraph-mode FULL_AND_PIECEWISE`; dense-full, dense-async-full: whole
-steps with prefill work as CUDA graphs, `--cudagraph-mode FULL`). The device KV
+steps with prefill work as CUDA graphs, `--cudagraph-mode FULL`; sparseserve-full: the same
+for the full system, layer by layer). The device KV
 budget is the same for all (default 20 GiB, an A100-40GB-like budget); the host tier is sized
 for the trace. Ratios are to `dense` in the same run.
 
@@ -62,6 +63,9 @@ CONFIGS = {
     # steps with prefill work as whole CUDA graphs (dense attention only)
     "dense-full": dict(preset="dense", cudagraph_mode="FULL"),
     "dense-async-full": dict(preset="dense", async_scheduling=True, cudagraph_mode="FULL"),
+    # the full system's steps with prefill work (chunks and layer segments up to the largest
+    # token bucket) as CUDA graphs of each layer's two-tier work (worker/two_tier_graphs.py)
+    "sparseserve-full": dict(preset="sparseserve", cudagraph_mode="FULL"),
 }
 TRACES = ("mix40", "long32", "light8")
 
