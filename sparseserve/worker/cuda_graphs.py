@@ -101,7 +101,7 @@ class DecodeGraphs:
             ctx = ForwardContext(*args, sparse=r.sparse)
         else:
             ctx = OffloadForwardContext(*args, sparse=r.sparse, cache=r.offload,
-                                        save_pages=None, save_offsets=None, decode_fills=fills)
+                                        save_dest=None, decode_fills=fills)
         h = r.model.embed(self.input_ids[:b])
         h = r.model.run_layers(h, self.positions[:b], ctx, 0, r.num_layers)
         ctx.finish_layers(0, r.num_layers)

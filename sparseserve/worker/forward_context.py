@@ -8,6 +8,7 @@ from (rows, positions), so a decode-only step can be captured in a CUDA graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,6 +41,9 @@ class PrefillSeq:
     row: int  # batch row of the request (index into the page table)
     slot_free: bool = False  # two-tier cache: a whole prompt that maps no slot (ScheduledChunk)
     resident_pages: int = 0  # ... except its newest pages per KV head (ScheduledChunk)
+    # two-tier cache: the chunk's plans shared by its layer-segment steps
+    # (worker/segment_plans.ChunkPlans), or None
+    plans: Any = None
 
 
 class KVCacheTensors:

@@ -33,6 +33,7 @@ from sparseserve.worker.prefill_attention import PaddedCausalAttention
 from sparseserve.worker.prompt_logprobs import PromptLogprobs
 from sparseserve.worker.sampler import Sampler
 from sparseserve.worker.sampling_step import SamplingStep
+from sparseserve.worker.segment_plans import SegmentPlans
 from sparseserve.worker.sparse_runtime import SparseRuntime
 from sparseserve.worker.step_arrays import step_token_arrays
 from sparseserve.worker.two_tier_graphs import capture_two_tier_graphs
@@ -97,6 +98,9 @@ class ModelRunner(SamplingStep):
         # the device page table: a chunk directory (+ CPU mirror for the saver's host ids)
         self.pages = PageDirectory(rows, self.num_kv_heads, self.max_blocks,
                                    cfg.cache.chunk_pages, num_ids, self.device)
+        # a layer-segmented prompt's host plans, shared by its segment steps (two-tier cache)
+        self.segment_plans = SegmentPlans(self.pages, self.page_size, self.num_layers)
+        self._step_plans: dict = {}  # this step's entries (SegmentPlans.for_step)
         self.row_params: dict[int, SamplingParams] = {}
         self.row_stop_ids: dict[int, tuple[int, ...]] = {}  # rows with min_tokens (NewRow)
         self.saved_hidden: dict[str, torch.Tensor] = {}  # layer-segmented prefill state
@@ -176,6 +180,8 @@ class ModelRunner(SamplingStep):
         if self.offload is not None and out.row_quotas is not None:
             self.offload.set_quotas(torch.from_numpy(out.row_quotas))
         self._apply_page_diffs(out.chunks)
+        self._step_plans = (self.segment_plans.for_step(out.chunks)
+                            if self.offload is not None else {})
         if self.offload is not None and any(c.slot_free and c.layer_end == self.num_layers
                                             for c in out.chunks):
             # a slot-free prompt finishes here and decodes next step, loading its pages from
@@ -328,7 +334,7 @@ class ModelRunner(SamplingStep):
         while num_decode < len(chunks) and chunks[num_decode].is_decode:
             num_decode += 1
         prefills = [PrefillSeq(off, off + c.num_tokens, c.start, c.row, c.slot_free,
-                               c.resident_pages)
+                               c.resident_pages, self._step_plans.get(c.request_id))
                     for c, off in zip(chunks[num_decode:], offsets[num_decode:])]
         # decode tables as wide as the longest decode request (known here: no sync), but at the
         # full width (as graphs) for Triton's sparse select, which is compiled per width class:
@@ -344,12 +350,10 @@ class ModelRunner(SamplingStep):
             pos, rws = self._np_pos, self._np_rows
             if np_idx is not None:
                 pos, rws = pos[np_idx], rws[np_idx]
-            save_pages = self.pages.step_host_pages(chunks, pos, rws, self.page_size)
-            ctx = OffloadForwardContext(*args, decode_width=width, sparse=self.sparse,
-                                        prefill_attention=self.prefill_attn,
-                                        cache=self.offload, save_pages=save_pages,
-                                        save_offsets=pos % self.page_size,
-                                        decode_fills=getattr(self, "_decode_fills", True))
+            ctx = OffloadForwardContext(  # the save destinations: made if the context needs them
+                *args, decode_width=width, sparse=self.sparse, prefill_attention=self.prefill_attn,
+                cache=self.offload, decode_fills=getattr(self, "_decode_fills", True),
+                save_dest=lambda: self.segment_plans.save_dest(chunks, pos, rws, self._step_plans))
         if self.on_select is not None:
             ctx.on_select = self.on_select
         if self.decode_attention is not None:
@@ -395,6 +399,7 @@ class ModelRunner(SamplingStep):
             self.row_stop_ids.pop(row, None)
         for rid in request_ids:
             self.saved_hidden.pop(rid, None)  # finished or preempted mid-segment
+        self.segment_plans.release(request_ids)
         self.prompt_lp.release(request_ids)
         if self.offload is not None:
             self.offload.free_pages(pages)

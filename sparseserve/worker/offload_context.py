@@ -25,8 +25,7 @@ from sparseserve.worker.page_index import index_pages
 class OffloadForwardContext(ForwardContext):
     reads_kv_after_attention = True  # the savers write k / v to DRAM from a side stream
 
-    def __init__(self, *args, cache: TwoTierCache, save_pages: np.ndarray | None,
-                 save_offsets: np.ndarray | None, decode_fills: bool = True,
+    def __init__(self, *args, cache: TwoTierCache, save_dest=None, decode_fills: bool = True,
                  **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cache = cache
@@ -34,10 +33,10 @@ class OffloadForwardContext(ForwardContext):
         # indexing the filled pages (~19 launches per layer, masked to nothing on such a step)
         # is skipped; True: a token may fill its page (summarised on the device, masked)
         self.decode_fills = decode_fills
-        # [T, Hkv] host page of each new token and head, [T] offsets: for the saver (CPU
-        # side); None in a captured decode step, whose saves are all direct
-        self.save_pages = save_pages
-        self.save_offsets = save_offsets
+        # () -> ([T, Hkv] host page of each new token and head, [T] offsets): for the saver
+        # (CPU side), called only where no segment's plan has them; None in a captured decode
+        # step, whose saves are all direct
+        self.save_dest = save_dest
         self._save_plan = None  # made at the first layer that saves, reused by the others
         self._prefill_plans: dict[int, dict] = {}  # q_start -> _prefill_plan (same reuse)
         self._staged = False  # decode rows staged for their write-through (finish_layers)
@@ -81,9 +80,7 @@ class OffloadForwardContext(ForwardContext):
         first = nd if cache.direct_decode_saves else 0
         if k.shape[0] > first:  # prefill rows (and decode rows for the per-page baseline)
             if self._save_plan is None:  # the step's destinations: the same at every layer
-                # (from the runner's page directory: in range by construction)
-                self._save_plan = cache.save_plan(self.save_pages[first:],
-                                                  self.save_offsets[first:], validate=False)
+                self._save_plan = self._step_save_plan(first)
             cache.save(layer, k[first:], v[first:], self._save_plan)
         summaries = self.sparse.summaries[layer]
         if nd and not self.prefills and nd == q.shape[0]:  # decode only: no copy into `out`
@@ -96,6 +93,20 @@ class OffloadForwardContext(ForwardContext):
         for p in self.prefills:
             out[p.q_start:p.q_end] = self._offload_prefill(layer, p, q, k, v, summaries)
         return out
+
+    def _step_save_plan(self, first: int):
+        """The SavePlan of rows [first:] (from the runner's page directory: in range by
+        construction, not validated). Rows that are one layer-segmented chunk's exactly take
+        the plan its earlier segment steps made (PrefillSeq.plans; segment_plans.py)."""
+        one = len(self.prefills) == 1 and first == self.num_decode
+        shared = self.prefills[0].plans if one else None
+        if shared is not None and shared.save_plan is not None:
+            return shared.save_plan
+        pages, offsets = self.save_dest()
+        plan = self.cache.save_plan(pages[first:], offsets[first:], validate=False)
+        if shared is not None:  # kept for later steps (every saver only reads a plan)
+            shared.save_plan = plan
+        return plan
 
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 summaries: LayerSummaries) -> torch.Tensor:
@@ -248,10 +259,23 @@ class OffloadForwardContext(ForwardContext):
         token's entry in sel, tok_off [T'] its offset in the page, rows the slice of the
         chunk's rows stored; b0 / b1 the pages completed, host_ids [Hkv * (b1 - b0)],
         read / ntok [Hkv * (b1 - b0)] int32, fill_pos [b1 - b0] the rows that complete them."""
-        plans = self._prefill_plans
-        plan = plans.get(p.q_start)
+        plan = self._prefill_plans.get(p.q_start)
         if plan is not None:
             return plan
+        shared = p.plans.prefill if p.plans is not None else None
+        if shared is None:
+            shared = self._chunk_prefill_plan(p)
+            if p.plans is not None:  # the chunk's later segment steps take it
+                p.plans.prefill = shared
+        # a copy for this context: its rows in the step, and what a step adds (layer_slots)
+        plan = self._prefill_plans[p.q_start] = dict(shared)
+        if "t0" in plan:
+            plan["rows"] = slice(p.q_start + plan["t0"] - p.start, p.q_end)
+        return plan
+
+    def _chunk_prefill_plan(self, p: PrefillSeq) -> dict:
+        """_prefill_plan's part that depends on the chunk alone (not its rows in the step):
+        the same at every segment step of a layer-segmented chunk."""
         ps = self.kv.page_size
         total = p.start + (p.q_end - p.q_start)
         nb = -(-total // ps)
@@ -261,7 +285,7 @@ class OffloadForwardContext(ForwardContext):
         pages = self.pages.host_pages(np.full(nb, p.row), np.arange(nb)).T  # [Hkv, nb] int64
         hkv = pages.shape[0]
         first = nb - min(p.resident_pages, nb) if p.slot_free else 0
-        plan = plans[p.q_start] = {"nb": nb, "total": total, "first": first}
+        plan = {"nb": nb, "total": total, "first": first}
         p64: dict[str, np.ndarray] = {}  # int64 tensors
         p32: dict[str, np.ndarray] = {}  # int32 tensors
         if first < nb:
@@ -276,7 +300,7 @@ class OffloadForwardContext(ForwardContext):
             p64["row"] = np.full((1,), p.row)
             p64["tok_entry"] = pos // ps - first
             p64["tok_off"] = pos % ps
-            plan["rows"] = slice(p.q_start + t0 - p.start, p.q_end)
+            plan["t0"] = t0  # the chunk's rows stored: [q_start + t0 - start, q_end)
         b0, b1 = p.start // ps, total // ps
         plan.update(b0=b0, b1=b1)
         if b1 > b0:

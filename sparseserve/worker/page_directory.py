@@ -82,16 +82,19 @@ class PageDirectory:
         s = start - b0 * ps
         return np.repeat(blk, ps, axis=0)[s:s + n]
 
-    def step_host_pages(self, chunks, pos: np.ndarray, rows: np.ndarray, ps: int) -> np.ndarray:
+    def step_host_pages(self, chunks, pos: np.ndarray, rows: np.ndarray, ps: int,
+                        span=None) -> np.ndarray:
         """A step's save destinations [T, Hkv] int64: ``chunks`` with the decode ones first,
         ``pos`` / ``rows`` [T] their tokens' positions and rows in that order; the decode rows'
-        looked up token by token, each prefill chunk's page by page (``host_pages_span``)."""
+        looked up token by token, each prefill chunk's page by page (``host_pages_span``, or
+        ``span(chunk)`` where given: a layer segment's kept one, worker/segment_plans.py)."""
         decode = [c for c in chunks if c.is_decode]
         nt = sum(c.num_tokens for c in decode)
-        return np.concatenate(
-            [self.host_pages(rows[:nt], pos[:nt] // ps)]
-            + [self.host_pages_span(c.row, c.start, c.num_tokens, ps)
-               for c in chunks[len(decode):]])
+        if span is None:
+            def span(c):
+                return self.host_pages_span(c.row, c.start, c.num_tokens, ps)
+        return np.concatenate([self.host_pages(rows[:nt], pos[:nt] // ps)]
+                              + [span(c) for c in chunks[len(decode):]])
 
     def write(self, rows: np.ndarray, heads: np.ndarray, chunk_idx: np.ndarray,
               values: np.ndarray, to_device) -> None:
