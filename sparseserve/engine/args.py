@@ -43,8 +43,11 @@ class EngineArgs(EngineArgsChecks):
     seed: int = 0
     enforce_eager: bool = False
     # vLLM's names: FULL_DECODE_ONLY (whole decode steps), FULL_AND_PIECEWISE (also the
-    # attention-free pieces of steps with prefill work: worker/piecewise_graphs.py)
-    cudagraph_mode: str = "FULL_DECODE_ONLY"
+    # attention-free pieces of steps with prefill work: worker/piecewise_graphs.py), FULL (steps
+    # with prefill work captured too). None: FULL where this configuration captures its steps
+    # with prefill work (dense attention over device pages, or the sparseserve preset's
+    # two-tier layer graphs), else FULL_DECODE_ONLY (_default_graph_mode)
+    cudagraph_mode: str | None = None
     # schedule and launch step N + 1 while step N runs on the device (worker/pending_step.py)
     async_scheduling: bool = False
     kv_offload: bool | None = None
@@ -203,7 +206,7 @@ class EngineArgs(EngineArgsChecks):
         """The EngineConfig of these sizes (mc: the whole model; page counts per rank)."""
         batched = self._batched_tokens(max_len)
         inject = self._inject_tokens(mc, max_len)
-        return EngineConfig(
+        cfg = EngineConfig(
             model=mc,
             load=LoadConfig(model=source.path or source.name, load_format=source.kind,
                             tokenizer=self.tokenizer),
@@ -222,8 +225,22 @@ class EngineArgs(EngineArgsChecks):
                                       working_set_window=self.working_set_window),
             sparse=sparse, device=device, dtype=dtype, seed=self.seed,
             enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
-            cudagraph_mode=self.cudagraph_mode, parallel=ParallelConfig(tensor_parallel_size=tp),
+            cudagraph_mode=self.cudagraph_mode or "FULL",
+            parallel=ParallelConfig(tensor_parallel_size=tp),
         )
+        return cfg if self.cudagraph_mode else self._default_graph_mode(cfg)
+
+    @staticmethod
+    def _default_graph_mode(cfg: EngineConfig) -> EngineConfig:
+        """cudagraph_mode left unset: FULL where it captures steps with prefill work (`cfg`
+        has FULL), else FULL_DECODE_ONLY. Why FULL: a step with prefill work run eagerly
+        spends 19-57 % of its time launching on the host (engine.md, twenty-eighth session),
+        in graphs ~5 %; end to end: system.md, twenty-ninth session."""
+        from sparseserve.engine.memory_plan import captures_mixed_graphs
+        from sparseserve.engine.two_tier_graph_plan import captures_two_tier_graphs
+        if captures_mixed_graphs(cfg) or captures_two_tier_graphs(cfg):
+            return cfg
+        return cfg.replace(cudagraph_mode="FULL_DECODE_ONLY")
 
     def _host_pages(self, page_bytes: int, mc: ModelConfig, tp: int = 1) -> int:
         """Host pages per rank: kv_offloading_size is the total over the tp ranks."""

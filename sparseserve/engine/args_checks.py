@@ -15,6 +15,8 @@ class EngineArgsChecks:
     effect) before any weight is loaded."""
 
     def _check_graph_mode(self, device: str, tp: int) -> None:
+        if self.cudagraph_mode is None:
+            return  # the default: resolved per configuration (EngineArgs._default_graph_mode)
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode {self.cudagraph_mode!r} is not one of "
                              f"{', '.join(CUDAGRAPH_MODES)}.")
@@ -32,7 +34,7 @@ class EngineArgsChecks:
         the conditions that decide their capture (two_tier_graph_plan), or nothing."""
         from sparseserve.engine.two_tier_graph_plan import why_no_two_tier_graphs
         from sparseserve.worker.two_tier_graphs import MAX_TOKENS
-        if (cfg.cudagraph_mode != "FULL" or cfg.device != "cuda" or cfg.enforce_eager
+        if (self.cudagraph_mode != "FULL" or cfg.device != "cuda" or cfg.enforce_eager
                 or cfg.parallel.tensor_parallel_size > 1
                 or not (cfg.sparse.enabled or cfg.cache.kv_offload)):
             return  # whole-step graphs, or no graph at all (_check_graph_mode said so)

@@ -59,7 +59,10 @@ def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False
                         help="CUDA graphs (GPU): FULL_DECODE_ONLY captures whole decode "
                              "steps; FULL_AND_PIECEWISE also the layers' attention-free "
                              "pieces of steps with prefill work, per token-count bucket; "
-                             "FULL whole steps with prefill work too (dense attention only)")
+                             "FULL steps with prefill work too (dense attention over device "
+                             "pages: whole steps; the sparseserve preset: each layer's "
+                             "two-tier work). Default: FULL where it captures something, "
+                             "else FULL_DECODE_ONLY")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="schedule and launch the next step while the current one runs "
                              "on the device (while a request uses penalties or a grammar, "

@@ -249,7 +249,7 @@ def test_piecewise_graphs_are_counted(gpu):
     gpu(140 * GiB, 141 * GiB)
     kw = dict(model="llama-3-8b", load_format="dummy", device="cuda", dtype="bfloat16",
               max_model_len=32768, max_num_seqs=64)
-    full = EngineArgs(**kw).create_engine_config()[0]
+    full = EngineArgs(cudagraph_mode="FULL_DECODE_ONLY", **kw).create_engine_config()[0]
     pw = EngineArgs(cudagraph_mode="FULL_AND_PIECEWISE", **kw).create_engine_config()[0]
     extra = piecewise_pool_bytes(pw)
     assert piecewise_pool_bytes(full) == 0 and extra > 0
@@ -316,6 +316,42 @@ def test_full_mode_says_what_it_captures(model_dir, gpu, caplog, kw, message):
     assert "dense attention over device pages only" in full[0]
     assert captures_two_tier_graphs(cfg) == ("Here" not in full[0])
     assert "8192" in full[0]
+
+
+@pytest.mark.parametrize("kw,mode", [
+    (dict(preset="sparseserve"), "FULL"),  # the two-tier layer graphs
+    (dict(preset="dense"), "FULL"),  # whole-step graphs
+    (dict(), "FULL"),  # no preset: dense attention over device pages
+    (dict(preset="sparse"), "FULL_DECODE_ONLY"),
+    (dict(preset="sparse-offload"), "FULL_DECODE_ONLY"),
+    (dict(preset="sparseserve", d2h_method="flash"), "FULL_DECODE_ONLY"),
+    (dict(preset="sparseserve", layer_segmented_prefill=False), "FULL_DECODE_ONLY"),
+    (dict(preset="dense", enforce_eager=True), "FULL_DECODE_ONLY"),
+    (dict(preset="dense", device="cpu"), "FULL_DECODE_ONLY"),
+    (dict(preset="dense", cudagraph_mode="FULL_DECODE_ONLY"), "FULL_DECODE_ONLY"),
+    (dict(preset="dense", cudagraph_mode="FULL_AND_PIECEWISE"), "FULL_AND_PIECEWISE"),
+])
+def test_default_graph_mode(model_dir, gpu, caplog, kw, mode):
+    """cudagraph_mode left unset: FULL where the configuration captures its steps with prefill
+    work (whole-step graphs for dense attention over device pages, the sparseserve preset's
+    two-tier layer graphs), else FULL_DECODE_ONLY, without the warnings an explicit FULL
+    gets; an explicit mode is kept. The graph pool follows the resolved mode."""
+    from sparseserve.engine.memory_plan import captures_mixed_graphs
+    from sparseserve.engine.two_tier_graph_plan import captures_two_tier_graphs
+
+    gpu(3 * GiB, 4 * GiB)
+    args = dict(BASE, model=model_dir, device="cuda", kv_cache_memory_bytes=64 * PAGE_BYTES)
+    if kw.get("preset", "dense") not in ("dense", "sparse"):
+        args["kv_offloading_size"] = 0.01
+    args.update(kw)
+    with caplog.at_level("WARNING", logger="sparseserve"):
+        cfg = EngineArgs(**args).create_engine_config()[0]
+    assert cfg.cudagraph_mode == mode
+    assert (captures_mixed_graphs(cfg) or captures_two_tier_graphs(cfg)) == (mode == "FULL")
+    assert "cudagraph_mode" not in caplog.text
+    if mode == "FULL":
+        explicit = EngineArgs(**dict(args, cudagraph_mode="FULL")).create_engine_config()[0]
+        assert explicit.memory_plan == cfg.memory_plan
 
 
 def test_whole_step_graphs_are_counted(gpu, caplog):

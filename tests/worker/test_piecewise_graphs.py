@@ -117,6 +117,7 @@ LENS = (1, 17, 54, 97, 33, 5)
 
 def _generate(path, piecewise, **kw):
     kw.setdefault("kv_cache_memory_bytes", 1 << 24)
+    kw.setdefault("cudagraph_mode", "FULL_DECODE_ONLY")  # (the GPU's default FULL: no pieces)
     llm = LLM(path, device=DEVICE.type, dtype="float32", page_size=16, max_model_len=256,
               max_num_seqs=4, max_num_batched_tokens=40, **kw)
     runner = llm.engine.runner

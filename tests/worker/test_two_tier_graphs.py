@@ -40,7 +40,8 @@ def _llm(path, slots: int, host_pages: int = 400, **kw):
                 max_num_seqs=4, max_num_batched_tokens=40, preset="sparseserve",
                 token_budget=64, sink_pages=1, local_pages=1,
                 kv_cache_memory_bytes=slots * PAGE_BYTES,
-                kv_offloading_size=host_pages * PAGE_BYTES / 2**30)
+                kv_offloading_size=host_pages * PAGE_BYTES / 2**30,
+                cudagraph_mode="FULL_DECODE_ONLY")  # (FULL, the GPU's default: captured)
     args.update(kw)
     return LLM(path, **args)
 
