@@ -2,9 +2,12 @@
 page table (every (request, KV head) its own ``--pages`` random physical pages of a pool, as
 the select returns them), Llama-3-8B layer shapes (32 query / 8 KV heads, head_dim 128), bf16,
 page 32. For each batch: the default launch (``_launch_config`` + ``default_num_splits``) and
-every (block_n, num_warps, num_stages) x num_splits of the grid, device time by
-``triton.testing.do_bench`` (L2 cleared before each rep; main kernel + split merge), and each
-one's output checked against the default's. Writes JSON; prints the best launches per batch
+every (block_n, num_warps, num_stages) x num_splits of the grid, device time as
+``sparse_decode.py`` takes it (``sparse_decode_timing.Bench``: a spin kernel holds the GPU
+while the launches queue, so a small launch is not timed by its host overhead; L2 flushed
+before each rep; median; main kernel + split merge), and each one's output checked against
+the default's. (The first version timed with ``triton.testing.do_bench``, whose events also
+caught the launcher's host time: at batch 1 and 4 its numbers were launch-bound noise.) Writes JSON; prints the best launches per batch
 and their speedup over the default, measured in the same run.
 
     python benchmarks/attend_tune.py --out $OUT/attend_tune.json --batches 1,4,16,64
@@ -41,8 +44,8 @@ def main() -> None:
     if a.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    import triton
-    import triton.testing
+
+    from sparse_decode_timing import Bench
 
     from sparseserve.kernels import paged_decode as PD
 
@@ -55,6 +58,8 @@ def main() -> None:
     gen = torch.Generator(device="cpu").manual_seed(0)
     k = torch.randn(a.pool_pages, ps, d, generator=gen).to(dev, dtype)
     v = torch.randn(a.pool_pages, ps, d, generator=gen).to(dev, dtype)
+    bench = Bench(torch, C, dict(flush_mib=256, warmup=3, min_reps=10, max_reps=100,
+                                 target_s=0.05, spin_cycles=2_000_000), torch.device(dev))
     rows, best = [], []
     for b in a.batches:
         q = torch.randn(b, hq, d, generator=gen).to(dev, dtype)
@@ -71,13 +76,13 @@ def main() -> None:
         default = dict(config=PD._launch_config(ps, d), num_splits=PD.default_num_splits(
             b, hkv, a.pages, PD._launch_config(ps, d)[0] // ps, sms))
 
-        def bench(fn):
+        def time_us(fn):
             if a.smoke:
                 fn()
                 return None
-            return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
+            return bench.time(fn, latency=False)["gpu"]["median"]
 
-        base_us = bench(call)
+        base_us = time_us(call)
         kv_bytes = 2 * b * hkv * a.pages * ps * d * k.element_size()
         rows.append(dict(batch=b, default=True, us=base_us, **default))
         for bn, w, st, ns in itertools.product(a.block_n, a.warps, a.stages, a.splits):
@@ -85,7 +90,7 @@ def main() -> None:
             try:
                 out = call(config=cfg, num_splits=ns)
                 err = (out.float() - want.float()).abs().max().item()
-                us = bench(lambda: call(config=cfg, num_splits=ns))
+                us = time_us(lambda: call(config=cfg, num_splits=ns))
             except Exception as exc:  # noqa: BLE001 - an out-of-resources launch is a result
                 rows.append(dict(batch=b, config=cfg, num_splits=ns, error=C.error_record(exc)))
                 continue
