@@ -9,7 +9,8 @@ at the same rate and writes one JSON (every bench result, the server commands).
       --presets sparseserve,dense --request-rate 2 --num-prompts 16
   # a preset with "+async" runs the server with --async-scheduling (e.g. dense+async), with
   # "+piecewise" with --cudagraph-mode FULL_AND_PIECEWISE (e.g. dense+async+piecewise),
-  # "+full" with --cudagraph-mode FULL, "+thread" with --no-engine-process
+  # "+full" with --cudagraph-mode FULL (the default where it captures something),
+  # "+decode-only" with --cudagraph-mode FULL_DECODE_ONLY, "+thread" with --no-engine-process
   python benchmarks/serving_http.py --out /tmp/h.json --smoke      # tiny model on the CPU
 
 Each server starts with an empty Triton cache (`--triton-cache fresh`, the default), as a
@@ -52,13 +53,14 @@ def free_port() -> int:
 def server_command(a, model: str, preset: str, port: int) -> list[str]:
     """`preset` is a preset name with optional modifiers: "+async" (the server with
     --async-scheduling), "+piecewise" (--cudagraph-mode FULL_AND_PIECEWISE), "+full"
-    (--cudagraph-mode FULL), "+thread" (--no-engine-process: the engine in a thread of the
-    server instead of its own process)."""
+    (--cudagraph-mode FULL), "+decode-only" (--cudagraph-mode FULL_DECODE_ONLY: steps with
+    prefill work eager, the default before FULL), "+thread" (--no-engine-process: the engine
+    in a thread of the server instead of its own process)."""
     preset, *mods = preset.split("+")
-    bad = set(mods) - {"async", "piecewise", "full", "thread"}
-    if bad or {"piecewise", "full"} <= set(mods):
+    bad = set(mods) - {"async", "piecewise", "full", "decode-only", "thread"}
+    if bad or len({"piecewise", "full", "decode-only"} & set(mods)) > 1:
         raise ValueError(f"unknown or conflicting preset modifier(s) {sorted(mods)} (known: "
-                         "+async, +thread, one of +piecewise / +full)")
+                         "+async, +thread, one of +piecewise / +full / +decode-only)")
     cmd = [sys.executable, "-m", "sparseserve.cli", "serve", model, "--port", str(port),
            "--preset", preset, "--max-model-len", str(a.max_model_len),
            "--max-num-seqs", str(a.max_num_seqs),
@@ -77,6 +79,8 @@ def server_command(a, model: str, preset: str, port: int) -> list[str]:
         cmd += ["--cudagraph-mode", "FULL_AND_PIECEWISE"]
     if "full" in mods:
         cmd += ["--cudagraph-mode", "FULL"]
+    if "decode-only" in mods:
+        cmd += ["--cudagraph-mode", "FULL_DECODE_ONLY"]
     if "thread" in mods:  # the engine stepped by a thread of the server process
         cmd += ["--no-engine-process"]
     if a.smoke:

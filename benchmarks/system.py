@@ -15,7 +15,8 @@ the preset's GPU-direct writes; sparseserve-copyengine: by the copy engine; dens
 sparseserve-async: with async scheduling; *-piecewise: with piecewise CUDA graphs for steps
 with prefill work, `--cudagraph-mode FULL_AND_PIECEWISE`; dense-full, dense-async-full: whole
 steps with prefill work as CUDA graphs, `--cudagraph-mode FULL`; sparseserve-full: the same
-for the full system, layer by layer). The device KV
+for the full system, layer by layer; the presets take the engine's default, FULL where it
+captures something, so *-decode-only runs their steps with prefill work eagerly). The device KV
 budget is the same for all (default 20 GiB, an A100-40GB-like budget); the host tier is sized
 for the trace. Ratios are to `dense` in the same run.
 
@@ -66,6 +67,10 @@ CONFIGS = {
     # the full system's steps with prefill work (chunks and layer segments up to the largest
     # token bucket) as CUDA graphs of each layer's two-tier work (worker/two_tier_graphs.py)
     "sparseserve-full": dict(preset="sparseserve", cudagraph_mode="FULL"),
+    # steps with prefill work eager (the default before FULL became it, twenty-ninth session;
+    # the presets above take the engine's default: FULL where it captures something)
+    "dense-decode-only": dict(preset="dense", cudagraph_mode="FULL_DECODE_ONLY"),
+    "sparseserve-decode-only": dict(preset="sparseserve", cudagraph_mode="FULL_DECODE_ONLY"),
 }
 TRACES = ("mix40", "long32", "light8")
 

@@ -395,7 +395,8 @@ def check_plan(plan: MemoryPlan, explicit: bool) -> None:
     raise ValueError(f"The device memory plan ({plan.describe()}) exceeds {where}: {fix} "
                      "what else it counts: kv_offloading_size (the summaries of every host "
                      "page stay in HBM), max_num_seqs or max_model_len (metadata, graph "
-                     "pool), or set enforce_eager (no CUDA graph pool).")
+                     "pool), or set cudagraph_mode FULL_DECODE_ONLY (no prefill graphs: the "
+                     "default FULL adds their pool) or enforce_eager (no CUDA graph pool).")
 
 
 def report_reserved(plan: MemoryPlan | None, device) -> None:

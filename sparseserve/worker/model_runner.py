@@ -353,7 +353,8 @@ class ModelRunner(SamplingStep):
             ctx = OffloadForwardContext(  # the save destinations: made if the context needs them
                 *args, decode_width=width, sparse=self.sparse, prefill_attention=self.prefill_attn,
                 cache=self.offload, decode_fills=getattr(self, "_decode_fills", True),
-                save_dest=lambda: self.segment_plans.save_dest(chunks, pos, rws, self._step_plans))
+                save_dest=lambda plans=self._step_plans: self.segment_plans.save_dest(
+                    chunks, pos, rws, plans))
         if self.on_select is not None:
             ctx.on_select = self.on_select
         if self.decode_attention is not None:
@@ -377,8 +378,11 @@ class ModelRunner(SamplingStep):
         selection and attend decode rows with `decode_attention` (a drop-in for
         `kernels.paged_decode_attention`; the eager single-tier path only). An argument not
         given keeps its current value; everything is restored on exit. For evaluation harnesses
-        and tests that drive `execute` directly; CUDA-graph replays do not see the hooks."""
-        saved = (self.sparse, self.on_select, self.decode_attention)
+        and tests that drive `execute` directly; decode-graph replays do not see the hooks, and
+        the whole-step graphs of steps with prefill work (cudagraph_mode FULL) are off within
+        the block, so a hooked runtime indexes every prompt chunk."""
+        saved = (self.sparse, self.on_select, self.decode_attention, self.mixed)
+        self.mixed = None
         keep = ModelRunner._KEEP
         if sparse is not keep:
             self.sparse = sparse
@@ -389,7 +393,7 @@ class ModelRunner(SamplingStep):
         try:
             yield self
         finally:
-            self.sparse, self.on_select, self.decode_attention = saved
+            self.sparse, self.on_select, self.decode_attention, self.mixed = saved
 
     # ---- bookkeeping ----------------------------------------------------------------------
     def release(self, rows: list[int], request_ids: list[str], pages: np.ndarray) -> None:

@@ -62,6 +62,8 @@ def test_preset_modifiers_map_to_server_flags():
     cmd = server_command(a, "m", "sparseserve+piecewise+thread", 8000)
     assert cmd[cmd.index("--cudagraph-mode") + 1] == "FULL_AND_PIECEWISE"
     assert "--no-engine-process" in cmd
-    for bad in ("dense+fast", "dense+piecewise+full"):
+    cmd = server_command(a, "m", "sparseserve+decode-only", 8000)
+    assert cmd[cmd.index("--cudagraph-mode") + 1] == "FULL_DECODE_ONLY"
+    for bad in ("dense+fast", "dense+piecewise+full", "dense+full+decode-only"):
         with pytest.raises(ValueError, match="known: \\+async"):
             server_command(a, "m", bad, 8000)

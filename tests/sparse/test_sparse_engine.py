@@ -58,8 +58,14 @@ def test_sparse_batch_equals_apart_and_is_really_sparse(model_dir, algo):
         seen.append((c.num_decode, len(c.prefills), sel.num_pages.max().item(),
                      c.dec_num_pages.max().item()))
 
-    with llm.engine.runner.hooked(on_select=spy):
+    runner = llm.engine.runner
+    mixed, sentinel = runner.mixed, object()  # whole-step graphs (a GPU's): off while hooked
+    runner.mixed = sentinel
+    with runner.hooked(on_select=spy):
+        assert runner.mixed is None
         batched = llm.generate(prompts(), PARAMS, use_tqdm=False)
+    assert runner.mixed is sentinel  # restored on exit
+    runner.mixed = mixed
     assert [o.outputs[0].token_ids for o in batched] == [o.outputs[0].token_ids for o in apart]
     assert any(nd and npre for nd, npre, _, _ in seen), "no step mixed decode and prefill"
     assert max(s for _, _, s, _ in seen) <= 4  # 64-token budget = 4 pages
